@@ -1,0 +1,1 @@
+"""Synchronous data-parallel MNIST training on a TensorFlow ps cluster."""
