@@ -4,8 +4,8 @@ import dataclasses
 import math
 
 from trainer.errors import UserError
-from trainer.model import MODELS
 
+MODELS = ("softmax", "mlp", "cnn")     # builders in trainer.model
 OPTIMIZERS = ("sgd", "momentum", "adam")
 DEFAULT_EPOCHS = 6
 

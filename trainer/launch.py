@@ -95,6 +95,7 @@ class Task:
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
             preexec_fn=_die_with_parent)
+        logging.info("started %s (pid %d)", self.name, self.process.pid)
         self.relay = threading.Thread(target=self._relay, daemon=True)
         self.relay.start()
 

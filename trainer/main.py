@@ -6,7 +6,9 @@ line and status 2, a run that cannot go on with status 1.
 """
 
 import os
+import signal
 import sys
+import threading
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ INFO quiet
 
@@ -15,9 +17,8 @@ from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
 from trainer import cluster as cluster_lib  # noqa: E402
-from trainer.config import OPTIMIZERS, TrainConfig  # noqa: E402
+from trainer.config import MODELS, OPTIMIZERS, TrainConfig  # noqa: E402
 from trainer.errors import RunFailed, UserError  # noqa: E402
-from trainer.model import MODELS  # noqa: E402
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
 flags.DEFINE_enum("job_name", None, ["ps", "worker"],
@@ -116,22 +117,55 @@ def main(argv) -> int:
     try:
         task = task_from_flags()
         config = config_from_flags()
-        from trainer import train  # imports TensorFlow: after flag checks
-        train.run(config, task)
     except UserError as e:
-        if FLAGS.debug:
-            raise
-        logging.error("%s", e)
-        return 2
-    except RunFailed as e:
-        if FLAGS.debug:
-            raise
-        logging.error("%s", e)
-        return 1
+        return _fail(e, 2)
+    from trainer import train  # imports TensorFlow: after the flag checks
+
+    # Training runs in a thread of its own so that this (main) thread, where
+    # Python delivers signals, can act on Ctrl-C or SIGTERM at once even
+    # while a session.run blocks for minutes in C++.
+    outcome = {}
+
+    def train_to_the_end():
+        try:
+            train.run(config, task)
+        except BaseException as e:  # handed to the main thread
+            outcome["error"] = e
+
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
+    thread = threading.Thread(target=train_to_the_end, name="train",
+                              daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
     except KeyboardInterrupt:
-        logging.error("interrupted")
-        return 130
-    return 0
+        _exit_now("interrupted", 130)
+    error = outcome.get("error")
+    if error is None:
+        return 0
+    if isinstance(error, UserError):
+        return _fail(error, 2)
+    if isinstance(error, RunFailed):
+        return _fail(error, 1)
+    raise error
+
+
+def _fail(error: Exception, status: int) -> int:
+    if FLAGS.debug:
+        raise error
+    logging.error("%s", error)
+    return status
+
+
+def _exit_now(why: str, status: int) -> None:
+    """Ends the process now. Checkpoints are safe: TensorFlow only points
+    `checkpoint` at a new one after it is fully written."""
+    logging.error("%s; exiting", why)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def run_main():

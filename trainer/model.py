@@ -14,9 +14,10 @@ from typing import Callable
 
 import tensorflow as tf
 
+from trainer.config import MODELS
+
 IMAGE_PIXELS = 28 * 28
 NUM_CLASSES = 10
-MODELS = ("softmax", "mlp", "cnn")
 
 # dropout(x, rate) -> x with a fraction `rate` of its units zeroed and the
 # rest scaled by 1 / (1 - rate). The caller supplies it so that dropout masks
@@ -113,6 +114,7 @@ def cnn(images: tf.Tensor, dropout: Dropout, seed: int,
 
 
 _BUILDERS = {"softmax": softmax, "mlp": mlp, "cnn": cnn}
+assert tuple(_BUILDERS) == MODELS
 
 
 def build(name: str, images: tf.Tensor, dropout: Dropout = no_dropout,

@@ -35,14 +35,23 @@ def run(config: TrainConfig, task: Task) -> None:
     """Runs this task to the end of training; raises UserError/RunFailed."""
     validate(config, task.cluster.num_workers)
     check_port_free(task)
-    server = tf.distribute.Server(
+    if task.job_name == "ps":
+        serve_ps(config, task, start_server(config, task))
+        return
+    # Read the data first: a bad file should stop this task before its
+    # server is up.
+    data_dir = data_lib.resolve_data_dir(config.data_dir)
+    mnist = data_lib.load(data_dir, config.download, need_test=task.is_chief)
+    logging.info("data: %d training and %d test images from %s",
+                 len(mnist.train_labels), len(mnist.test_labels), data_dir)
+    Worker(config, task, start_server(config, task)).run(mnist)
+
+
+def start_server(config: TrainConfig, task: Task):
+    return tf.distribute.Server(
         tf.train.ClusterSpec(task.cluster.as_dict()), job_name=task.job_name,
         task_index=task.task_index,
         config=graph_lib.session_config(config, task))
-    if task.job_name == "ps":
-        serve_ps(config, task, server)
-    else:
-        Worker(config, task, server).run()
 
 
 def check_port_free(task: Task) -> None:
@@ -142,15 +151,10 @@ class Worker:
 
     # --- Setting up ---
 
-    def run(self) -> None:
+    def run(self, mnist: data_lib.Mnist) -> None:
         config = self.config
-        data_dir = data_lib.resolve_data_dir(config.data_dir)
-        mnist = data_lib.load(data_dir, config.download,
-                              need_test=self.is_chief)
         self.train_steps = config.resolved_train_steps(len(mnist.train_labels))
-        logging.info("data: %d training and %d test images from %s; %d "
-                     "global steps of %d images", len(mnist.train_labels),
-                     len(mnist.test_labels), data_dir, self.train_steps,
+        logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         self.g = graph_lib.build_worker(
             config, self.task, len(mnist.train_labels),

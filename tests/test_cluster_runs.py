@@ -1,0 +1,181 @@
+"""Real clusters of OS processes on loopback, started by the local launcher.
+
+Every run picks free ports (the launcher does), is bounded by a timeout and
+kills what it started; the launcher's children die with it.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import helpers
+
+pytestmark = pytest.mark.cluster
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def fake_data(tmp_path_factory):
+    return helpers.fake_mnist(tmp_path_factory.mktemp("fake_mnist"))
+
+
+def final_parameters(logdir) -> dict:
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(logdir)))
+    return {name: reader.get_tensor(name)
+            for name in reader.get_variable_to_shape_map()
+            if name.startswith("model/")}
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k] - b[k])) / np.max(np.abs(a[k])))
+               for k in a)
+
+
+def train(tmp_path, data, workers, *flags):
+    logdir = tmp_path / f"{workers}_workers"
+    result = helpers.launch(logdir, data, workers, *flags)
+    assert result.returncode == 0, result.stdout[-3000:]
+    results = json.loads((logdir / "results.json").read_text())
+    return logdir, results
+
+
+@pytest.mark.parametrize("model, flags", [
+    ("mlp", ("--optimizer=sgd", "--learning_rate=0.1")),
+    ("cnn", ("--optimizer=sgd", "--learning_rate=0.05")),
+])
+def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
+                                               flags):
+    common = (f"--model={model}", "--batch_size=64",
+              f"--train_steps={STEPS}", "--seed=7", "--log_every=10",
+              *flags)
+    reference_dir, reference = train(tmp_path, fake_data, 1, *common)
+    expected = final_parameters(reference_dir)
+    worker_counts = (2, 3) if model == "mlp" else (2,)
+    for workers in worker_counts:
+        logdir, results = train(tmp_path, fake_data, workers, *common)
+        difference = max_relative_difference(expected,
+                                             final_parameters(logdir))
+        print(f"{model}: 1 vs {workers} workers, global batch 64: largest "
+              f"relative parameter difference {difference:.3g}")
+        assert difference <= 1e-5
+        assert results["global_step"] == STEPS
+        assert results["local_steps"] == {str(k): STEPS
+                                          for k in range(workers)}
+        assert results["dropped_gradients"] == 0
+    assert reference["local_steps"] == {"0": STEPS}
+
+
+def event_tags(logdir) -> set:
+    tags = set()
+    for path in logdir.glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            tags.update(value.tag for value in event.summary.value)
+    return tags
+
+
+def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
+    data = helpers.real_mnist_dir()
+    if data is None:
+        pytest.skip("real MNIST not found in $MNIST_DATA_DIR or "
+                    "../shared/mnist")
+    logdir = tmp_path / "mlp"
+    start = time.monotonic()
+    result = helpers.launch(logdir, data, 2, "--model=mlp", "--epochs=8",
+                            timeout=400)
+    wall = time.monotonic() - start
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "every task exited 0" in result.stdout
+    results = json.loads((logdir / "results.json").read_text())
+    print(f"mlp, 1 ps + 2 workers: test accuracy "
+          f"{results['final_test_accuracy']:.4f} in {wall:.1f} s "
+          f"(training {results['wall_time_secs']:.1f} s, "
+          f"{results['images_per_sec']:.0f} images/s)")
+    assert results["final_test_accuracy"] >= 0.97
+    assert results["num_workers"] == 2 and results["num_ps"] == 1
+    assert results["local_steps"]["1"] == results["global_step"]
+    assert {"train/loss", "train/accuracy", "train/learning_rate",
+            "perf/images_per_sec", "perf/step_time_ms",
+            "sync/dropped_gradients", "eval/accuracy",
+            "eval/loss"} <= event_tags(logdir)
+
+
+def pids_started(output: str) -> list[int]:
+    return [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", output)]
+
+
+def assert_all_gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"still running: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is as good as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_failed_task_stops_the_whole_cluster(tmp_path):
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    start = time.monotonic()
+    result = helpers.launch(tmp_path / "logs", empty, 2, timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert time.monotonic() - start < 60
+    assert "is missing and downloading is off" in result.stdout
+    assert "exited with status 2; stopping the others" in result.stdout
+    assert "Traceback" not in result.stdout
+    pids = pids_started(result.stdout)
+    assert len(pids) == 3
+    assert_all_gone(pids)
+
+
+def test_ctrl_c_stops_every_task(tmp_path, fake_data):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
+         f"--logdir={tmp_path / 'logs'}", f"--data_dir={fake_data}",
+         "--model=mlp", "--train_steps=100000000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("worker 1 starts" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            assert process.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert status == 130, output[-3000:]
+    assert "interrupted: stopping every task" in output
+    assert_all_gone(pids_started(output))
