@@ -7,7 +7,8 @@ from trainer.errors import UserError
 
 MODELS = ("softmax", "mlp", "cnn")     # builders in trainer.model
 OPTIMIZERS = ("sgd", "momentum", "adam")
-DEFAULT_EPOCHS = 6
+LR_SCHEDULES = ("cosine", "constant")
+DEFAULT_EPOCHS = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +20,8 @@ class TrainConfig:
     hidden_units: int = 128
     batch_size: int = 128              # global: summed over the workers
     optimizer: str = "adam"
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-3
+    lr_schedule: str = "cosine"        # cosine: decays to 0 at the last step
     momentum: float = 0.9
     train_steps: int | None = None     # global steps; or derived from epochs
     epochs: float | None = None
@@ -38,8 +40,16 @@ class TrainConfig:
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
 
+    def learning_rate_at(self, step: int, train_steps: int) -> float:
+        """The rate the update of global step `step` uses (graph.py builds
+        the same formula in TensorFlow)."""
+        if self.lr_schedule == "constant":
+            return self.learning_rate
+        progress = min(step / train_steps, 1.0)
+        return self.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+
     def resolved_train_steps(self, num_examples: int) -> int:
-        """--train_steps, or --epochs (default 6) of full global batches."""
+        """--train_steps, or --epochs (default 12) of full global batches."""
         if self.train_steps is not None:
             return self.train_steps
         epochs = DEFAULT_EPOCHS if self.epochs is None else self.epochs
@@ -63,6 +73,9 @@ def validate(config: TrainConfig, num_workers: int) -> None:
     if config.optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer={config.optimizer} is unknown; choose "
                         f"one of {', '.join(OPTIMIZERS)}")
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"--lr_schedule={config.lr_schedule} is unknown; "
+                        f"choose one of {', '.join(LR_SCHEDULES)}")
     if config.train_steps is not None and config.epochs is not None:
         raise UserError("give either --train_steps or --epochs, not both")
     for name in ("hidden_units", "batch_size", "train_steps", "log_every",

@@ -14,6 +14,7 @@ logging, evaluation and checkpoint boundaries.
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from trainer import data as data_lib
@@ -67,13 +68,22 @@ def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
             f"train_steps={train_steps}")
 
 
-def make_optimizer(config: TrainConfig):
-    lr = config.learning_rate
+def learning_rate(config: TrainConfig, step: tf.Tensor,
+                  train_steps: int) -> tf.Tensor:
+    """config.learning_rate_at(step) as a graph op (float32 scalar)."""
+    if config.lr_schedule == "constant":
+        return tf.constant(config.learning_rate)
+    progress = tf.minimum(tf.cast(step, tf.float32) / train_steps, 1.0)
+    return config.learning_rate * 0.5 * (1.0 + tf.cos(np.pi * progress))
+
+
+def make_optimizer(config: TrainConfig, rate):
+    """The update rule; `rate` is a float or a tensor."""
     if config.optimizer == "sgd":
-        return tf.compat.v1.train.GradientDescentOptimizer(lr)
+        return tf.compat.v1.train.GradientDescentOptimizer(rate)
     if config.optimizer == "momentum":
-        return tf.compat.v1.train.MomentumOptimizer(lr, config.momentum)
-    return tf.compat.v1.train.AdamOptimizer(lr)
+        return tf.compat.v1.train.MomentumOptimizer(rate, config.momentum)
+    return tf.compat.v1.train.AdamOptimizer(rate)
 
 
 def example_uniform(seed: int, step: tf.Tensor, bounds: tuple[int, int],
@@ -221,23 +231,26 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 start_step = tf.compat.v1.placeholder(tf.int64, [],
                                                       "start_step")
                 num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
-            optimizer = make_optimizer(config) if task.is_chief else None
+            optimizers = [] if task.is_chief else None
             loop_outputs = _training_loop(
-                config, k, flat, sync, trainset, optimizer, start_step,
+                config, k, flat, sync, trainset, optimizers, start_step,
                 num_steps, train_steps, loop_parallel_iterations)
             g = WorkerGraph(graph, sync, flat, trainset, start_step,
                             num_steps, loop_outputs)
             _add_coordination(g, k)
             if task.is_chief:
-                _add_chief_parts(g, config, cluster.num_ps, optimizer,
+                _add_chief_parts(g, config, cluster.num_ps, optimizers[0],
                                  num_test_examples)
         graph.finalize()
     return g
 
 
-def _training_loop(config, k, flat, sync, trainset, optimizer, start_step,
+def _training_loop(config, k, flat, sync, trainset, optimizers, start_step,
                    num_steps, train_steps, parallel_iterations) -> dict:
     """Runs steps start_step, start_step + 1, ... inside one session.run.
+
+    `optimizers` is None on workers other than the chief; on the chief the
+    loop appends the optimizer it builds (its rate depends on the step).
 
     The chief computes its gradient, admits R arrivals, applies the update
     and hands out the next step; other workers compute, push and wait for
@@ -264,8 +277,11 @@ def _training_loop(config, k, flat, sync, trainset, optimizer, start_step,
             pushed = sync.push(k, replica.step, replica.shard_grads,
                                replica.stats)
         with tf.device(sync.shard_devices[0]):
-            if optimizer is not None:
+            if optimizers is not None:
                 mean_grads, step_stats = sync.aggregate(step)
+                optimizer = make_optimizer(
+                    config, learning_rate(config, step, train_steps))
+                optimizers.append(optimizer)
                 update = optimizer.apply_gradients(
                     list(zip(mean_grads, flat.variables)))
                 next_step = sync.finish_step(step, [update, pushed])
@@ -286,7 +302,7 @@ def _training_loop(config, k, flat, sync, trainset, optimizer, start_step,
             keep_going, one_step, [zero, first_step, zero_stats],
             parallel_iterations=parallel_iterations)
     outputs = {"steps_done": done, "next_step": next_step, "stats": stats}
-    if optimizer is not None:
+    if optimizers is not None:
         with tf.device(sync.shard_devices[0]), \
                 tf.control_dependencies([done, next_step, stats]):
             outputs["dropped"] = sync.dropped.read_value()
@@ -408,7 +424,8 @@ class SingleProcessGraph:
 
 
 def build_single_process(config: TrainConfig, num_train_examples: int,
-                         num_test_examples: int) -> SingleProcessGraph:
+                         num_test_examples: int,
+                         train_steps: int) -> SingleProcessGraph:
     """The baseline a cluster is measured against: no ps, no sync protocol.
 
     Same parameters layout (one flat variable), same in-graph batches,
@@ -424,7 +441,6 @@ def build_single_process(config: TrainConfig, num_train_examples: int,
         trainset = data_lib.InGraphTrainSet(
             num_train_examples, config.seed, config.batch_size,
             (0, config.batch_size))
-        optimizer = make_optimizer(config)
         start_step = tf.compat.v1.placeholder(tf.int64, [], "start_step")
         num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
 
@@ -432,6 +448,8 @@ def build_single_process(config: TrainConfig, num_train_examples: int,
             values = [v.read_value() for v in flat.variables]
             replica = compute_gradients(config, flat, trainset, step, values)
             mean = [g / replica.stats[0] for g in replica.shard_grads]
+            optimizer = make_optimizer(
+                config, learning_rate(config, step, train_steps))
             update = optimizer.apply_gradients(
                 list(zip(mean, flat.variables)))
             with tf.control_dependencies([update]):

@@ -17,7 +17,8 @@ from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
 
 from trainer import cluster as cluster_lib  # noqa: E402
-from trainer.config import MODELS, OPTIMIZERS, TrainConfig  # noqa: E402
+from trainer.config import (  # noqa: E402
+    LR_SCHEDULES, MODELS, OPTIMIZERS, TrainConfig)
 from trainer.errors import RunFailed, UserError  # noqa: E402
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
@@ -35,13 +36,15 @@ flags.DEFINE_integer("hidden_units", 128, "Width of the mlp's hidden layer.")
 flags.DEFINE_integer("batch_size", 128,
                      "Global batch: images per step over all workers.")
 flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Update rule.")
-flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+flags.DEFINE_float("learning_rate", 3e-3, "Initial learning rate.")
+flags.DEFINE_enum("lr_schedule", "cosine", list(LR_SCHEDULES),
+                  "cosine: decay to 0 over the run; constant: no decay.")
 flags.DEFINE_float("momentum", 0.9, "Momentum of --optimizer=momentum.")
 flags.DEFINE_integer("train_steps", None,
                      "Global steps to train (default: --epochs).")
 flags.DEFINE_float("epochs", None,
                    "Epochs to train if --train_steps is not given "
-                   "(default 6).")
+                   "(default 12).")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "
@@ -89,7 +92,8 @@ def config_from_flags() -> TrainConfig:
         logdir=FLAGS.logdir or os.path.join("runs", FLAGS.model),
         model=FLAGS.model, hidden_units=FLAGS.hidden_units,
         batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
-        learning_rate=FLAGS.learning_rate, momentum=FLAGS.momentum,
+        learning_rate=FLAGS.learning_rate, lr_schedule=FLAGS.lr_schedule,
+        momentum=FLAGS.momentum,
         train_steps=FLAGS.train_steps, epochs=FLAGS.epochs, seed=FLAGS.seed,
         data_dir=FLAGS.data_dir, download=FLAGS.download,
         log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,

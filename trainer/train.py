@@ -286,7 +286,8 @@ class Worker:
         _write_scalars(writer, step, {
             "train/loss": loss,
             "train/accuracy": accuracy,
-            "train/learning_rate": self.config.learning_rate,
+            "train/learning_rate": self.config.learning_rate_at(
+                step - 1, self.train_steps),
             "perf/images_per_sec": images_per_sec,
             "perf/step_time_ms": step_ms,
             "sync/dropped_gradients": dropped,
