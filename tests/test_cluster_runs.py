@@ -41,9 +41,9 @@ def max_relative_difference(a: dict, b: dict) -> float:
                for k in a)
 
 
-def train(tmp_path, data, workers, *flags):
-    logdir = tmp_path / f"{workers}_workers"
-    result = helpers.launch(logdir, data, workers, *flags)
+def train(tmp_path, data, workers, *flags, num_ps=1, logdir=None):
+    logdir = logdir or tmp_path / f"{workers}_workers_{num_ps}_ps"
+    result = helpers.launch(logdir, data, workers, *flags, num_ps=num_ps)
     assert result.returncode == 0, result.stdout[-3000:]
     results = json.loads((logdir / "results.json").read_text())
     return logdir, results
@@ -80,6 +80,34 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
                                           for k in range(workers)}
         assert results["dropped_gradients"] == 0
     assert reference["local_steps"] == {"0": STEPS}
+
+
+def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
+    common = ("--model=mlp", "--optimizer=sgd", "--learning_rate=0.1",
+              "--lr_schedule=constant", "--batch_size=64", "--seed=3",
+              "--log_every=10", "--checkpoint_every=10")
+    reference_dir, _ = train(tmp_path, fake_data, 1, *common,
+                             f"--train_steps={STEPS}")
+    expected = final_parameters(reference_dir)
+    # The same 20 steps on 2 ps + 2 workers.
+    sharded_dir, results = train(tmp_path, fake_data, 2, *common,
+                                 f"--train_steps={STEPS}", num_ps=2)
+    assert results["num_ps"] == 2
+    assert max_relative_difference(
+        expected, final_parameters(sharded_dir)) <= 1e-5
+    # Half the steps on 2 ps + 2 workers, the rest after a restart on
+    # 1 ps + 3 workers from the same logdir.
+    resumed = tmp_path / "resumed"
+    train(tmp_path, fake_data, 2, *common, f"--train_steps={STEPS // 2}",
+          num_ps=2, logdir=resumed)
+    _, results = train(tmp_path, fake_data, 3, *common,
+                       f"--train_steps={STEPS}", logdir=resumed)
+    assert results["global_step"] == STEPS
+    assert results["steps_this_run"] == STEPS // 2
+    difference = max_relative_difference(expected, final_parameters(resumed))
+    print(f"resumed on another cluster shape: largest relative parameter "
+          f"difference {difference:.3g}")
+    assert difference <= 1e-5
 
 
 def event_tags(logdir) -> set:
