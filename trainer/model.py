@@ -47,6 +47,12 @@ class _Vars:
         return tf.compat.v1.get_variable(
             name, shape, tf.float32, tf.compat.v1.zeros_initializer())
 
+    def dense(self, name: str, x: tf.Tensor, units: int) -> tf.Tensor:
+        """x [n, d] -> x @ kernel [d, units] + bias [units]."""
+        kernel = self.kernel(f"{name}/kernel", [int(x.shape[1]), units])
+        return tf.nn.bias_add(tf.matmul(x, kernel),
+                              self.bias(f"{name}/bias", [units]))
+
 
 def softmax(images: tf.Tensor, dropout: Dropout, seed: int,
             hidden_units: int) -> tf.Tensor:
@@ -58,10 +64,8 @@ def softmax(images: tf.Tensor, dropout: Dropout, seed: int,
       logits: float32 [n, 10].
     """
     del dropout, hidden_units
-    v = _Vars(seed)
     x = tf.reshape(images, [-1, IMAGE_PIXELS])
-    return tf.matmul(x, v.kernel("dense/kernel", [IMAGE_PIXELS, NUM_CLASSES])
-                     ) + v.bias("dense/bias", [NUM_CLASSES])
+    return _Vars(seed).dense("dense", x, NUM_CLASSES)
 
 
 def mlp(images: tf.Tensor, dropout: Dropout, seed: int,
@@ -76,11 +80,8 @@ def mlp(images: tf.Tensor, dropout: Dropout, seed: int,
     del dropout
     v = _Vars(seed)
     x = tf.reshape(images, [-1, IMAGE_PIXELS])
-    h = tf.nn.relu(
-        tf.matmul(x, v.kernel("hidden/kernel", [IMAGE_PIXELS, hidden_units]))
-        + v.bias("hidden/bias", [hidden_units]))
-    return tf.matmul(h, v.kernel("logits/kernel", [hidden_units, NUM_CLASSES])
-                     ) + v.bias("logits/bias", [NUM_CLASSES])
+    hidden = tf.nn.relu(v.dense("hidden", x, hidden_units))
+    return v.dense("logits", hidden, NUM_CLASSES)
 
 
 def cnn(images: tf.Tensor, dropout: Dropout, seed: int,
@@ -109,8 +110,7 @@ def cnn(images: tf.Tensor, dropout: Dropout, seed: int,
     x = conv_block(x, "conv2", 32, 64)       # [n, 5, 5, 64]
     x = tf.reshape(x, [-1, 5 * 5 * 64])
     x = dropout(x, 0.5)
-    return tf.matmul(x, v.kernel("logits/kernel", [5 * 5 * 64, NUM_CLASSES])
-                     ) + v.bias("logits/bias", [NUM_CLASSES])
+    return v.dense("logits", x, NUM_CLASSES)
 
 
 _BUILDERS = {"softmax": softmax, "mlp": mlp, "cnn": cnn}
