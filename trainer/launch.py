@@ -8,6 +8,7 @@ first task that failed. Every trainer flag given here is passed on.
 """
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -28,6 +29,9 @@ flags.DEFINE_integer("num_workers", 2, "Number of workers (the first is the "
                      "chief).", lower_bound=1)
 flags.DEFINE_string("host", "localhost",
                     "Address the tasks use to reach each other.")
+flags.DEFINE_string("report", None,
+                    "Write each task's exit status and peak memory (RSS) "
+                    "to this JSON file at the end.")
 flags.DEFINE_float("exit_grace_secs", 30,
                    "After the workers finish, how long the ps tasks may "
                    "take to exit before they are killed.")
@@ -91,6 +95,7 @@ class Task:
     def __init__(self, job: str, index: int, argv: list[str], env: dict):
         self.name = f"{job}{index}"
         self.job = job
+        self.peak_rss_mb = None
         self.process = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -107,8 +112,23 @@ class Task:
             sys.stdout.buffer.write(prefix + line)
             sys.stdout.buffer.flush()
 
-    def poll(self):
-        return self.process.poll()
+    def poll(self, block: bool = False):
+        """The exit status, or None while running; records peak memory.
+
+        Reaps the child with wait4 (not Popen.poll) to get its rusage.
+        """
+        if self.process.returncode is None:
+            pid, status, usage = os.wait4(self.process.pid,
+                                          0 if block else os.WNOHANG)
+            if pid:
+                self.process.returncode = os.waitstatus_to_exitcode(status)
+                self.peak_rss_mb = usage.ru_maxrss / 1024.0  # KiB on Linux
+        return self.process.returncode
+
+    def report(self) -> dict:
+        return {"task": self.name, "pid": self.process.pid,
+                "exit_status": self.process.returncode,
+                "peak_rss_mb": self.peak_rss_mb}
 
     def signal(self, signum):
         if self.process.poll() is None:
@@ -119,7 +139,7 @@ class Task:
 
 
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
-           exit_grace_secs: float) -> int:
+           exit_grace_secs: float, report: str | None = None) -> int:
     """Runs the cluster to the end; returns the exit status of the run."""
     ports = free_ports(host, num_ps + num_workers)
     ps_hosts = ",".join(f"{host}:{p}" for p in ports[:num_ps])
@@ -143,11 +163,16 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     tasks += [Task("worker", i, argv("worker", i), env)
               for i in range(num_workers)]
     try:
-        return _supervise(tasks, exit_grace_secs)
+        status = _supervise(tasks, exit_grace_secs)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
         _stop_all(tasks)
-        return 130
+        status = 130
+    if report:
+        with open(report, "w") as f:
+            json.dump({"exit_status": status,
+                       "tasks": [t.report() for t in tasks]}, f, indent=2)
+    return status
 
 
 def _supervise(tasks: list[Task], exit_grace_secs: float) -> int:
@@ -189,7 +214,7 @@ def _stop_all(tasks: list[Task]) -> None:
     for task in tasks:
         task.signal(signal.SIGKILL)
     for task in tasks:
-        task.process.wait()
+        task.poll(block=True)
         task.relay.join(timeout=5)
 
 
@@ -197,7 +222,7 @@ def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     return launch(FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
-                  forwarded_flags(), FLAGS.exit_grace_secs)
+                  forwarded_flags(), FLAGS.exit_grace_secs, FLAGS.report)
 
 
 def run_main():

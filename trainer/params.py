@@ -71,28 +71,28 @@ def plan_shards(specs: list[ParamSpec], num_shards: int
     return [[s for s in specs if owner[s.name] == i] for i in range(num_shards)]
 
 
-class FlatParams:
-    """The shard variables and the mapping between them and the model.
+class FlatLayout:
+    """Which parameters each shard vector holds, and how to slice it.
 
-    Build it under a device function that puts variable `params/shard_<i>`
-    on ps task `i` (see `graph._ps_strategy`). A ps task that got no
-    parameters (more ps tasks than parameters) holds no shard.
+    Knows nothing of variables or devices: the ps trainer keeps the shard
+    vectors in variables on the ps tasks (FlatParams), other trainers may
+    keep them anywhere. A ps task that got no parameters (more ps tasks
+    than parameters) holds no shard.
     """
 
     def __init__(self, layout: list[list[ParamSpec]]):
         """layout[i]: the parameters of ps task i, from plan_shards."""
         self.ps_indices = [i for i, specs in enumerate(layout) if specs]
         self.shards = [layout[i] for i in self.ps_indices]
-        self.variables = [
-            tf.compat.v1.get_variable(
-                f"params/shard_{i}", [sum(s.size for s in layout[i])],
-                tf.float32, initializer=_concat_initializer(layout[i]),
-                use_resource=True)
-            for i in self.ps_indices]
 
     @property
     def sizes(self) -> list[int]:
         return [sum(s.size for s in specs) for specs in self.shards]
+
+    def initial_value(self, shard: int) -> tf.Tensor:
+        """Shard `shard`'s initial vector: each parameter's own initializer,
+        flattened, in order (float32 [n])."""
+        return _concat_initializer(self.shards[shard])(None)
 
     def unflatten(self, shard_values: list[tf.Tensor]) -> dict[str, tf.Tensor]:
         """Splits shard vectors [n_i] into parameter tensors by name."""
@@ -113,6 +113,33 @@ class FlatParams:
 
         return flat_getter
 
+    def expected_checkpoint_shapes(self, slot_suffixes=()) -> dict:
+        """Checkpoint key -> shape for every parameter and slot entry."""
+        out = {}
+        for specs in self.shards:
+            for spec in specs:
+                out[spec.name] = list(spec.shape)
+                for suffix in slot_suffixes:
+                    out[f"{spec.name}/{suffix}"] = list(spec.shape)
+        return out
+
+
+class FlatParams(FlatLayout):
+    """The shard vectors as variables `params/shard_<i>`.
+
+    Build it under a device function that puts variable `params/shard_<i>`
+    on ps task `i` (see `graph._ps_strategy`).
+    """
+
+    def __init__(self, layout: list[list[ParamSpec]]):
+        super().__init__(layout)
+        self.variables = [
+            tf.compat.v1.get_variable(
+                f"params/shard_{i}", [size], tf.float32,
+                initializer=_concat_initializer(specs), use_resource=True)
+            for i, size, specs in zip(self.ps_indices, self.sizes,
+                                      self.shards)]
+
     def saveables(self, slot_names: dict[str, Callable] | None = None
                   ) -> list[saveable_object.SaveableObject]:
         """Checkpoint entries, one per parameter (and per optimizer slot).
@@ -126,16 +153,6 @@ class FlatParams:
         for suffix, slot_of in (slot_names or {}).items():
             out.extend(_FlatSaveable(slot_of(v), specs, "/" + suffix)
                        for v, specs in zip(self.variables, self.shards))
-        return out
-
-    def expected_checkpoint_shapes(self, slot_suffixes=()) -> dict:
-        """Checkpoint key -> shape for every parameter and slot entry."""
-        out = {}
-        for specs in self.shards:
-            for spec in specs:
-                out[spec.name] = list(spec.shape)
-                for suffix in slot_suffixes:
-                    out[f"{spec.name}/{suffix}"] = list(spec.shape)
         return out
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import resource
 import socket
 import time
 
@@ -20,6 +21,7 @@ from tensorflow.core.protobuf import config_pb2
 
 from trainer import data as data_lib
 from trainer import graph as graph_lib
+from trainer import progress
 from trainer import sync as sync_lib
 from trainer.cluster import Task, split_address
 from trainer.config import TrainConfig, validate
@@ -128,17 +130,6 @@ def serve_ps(config: TrainConfig, task: Task, server) -> None:
                  task.describe())
 
 
-@dataclasses.dataclass
-class Interval:
-    """Steps between two log lines, summed as the loop reports them."""
-
-    start_time: float
-    steps: int = 0
-    examples: float = 0.0
-    loss_sum: float = 0.0
-    correct: float = 0.0
-
-
 class Worker:
     """The Python side of one worker: start-up, the loop, the end."""
 
@@ -178,68 +169,38 @@ class Worker:
                 self.run_follower()
 
     def _callable(self, fetches, feeds=(), timeout_secs=None):
-        """A C++ callable (no per-call Python feed handling)."""
-        options = config_pb2.CallableOptions()
-        for tensor in feeds:
-            options.feed.append(tensor.name)
-        names = {key: tensor.name for key, tensor in fetches.items()}
-        for name in names.values():
-            options.fetch.append(name)
-        if timeout_secs:
-            options.run_options.timeout_in_ms = int(timeout_secs * 1000)
-        call = self.session._make_callable_from_options(options)
-
-        def run(*args):
-            values = call(*[np.asarray(a, np.int64) for a in args])
-            return dict(zip(names, values))
-
-        return run
+        return make_callable(self.session, fetches, feeds, timeout_secs)
 
     # --- The chief ---
 
     def run_chief(self) -> None:
-        g, config = self.g, self.config
-        logdir = pathlib.Path(config.logdir)
+        g = self.g
+        logdir = pathlib.Path(self.config.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         step = self._initialize_or_restore(logdir)
         self.session.run(g.start_op)
         self.session.run(g.mark_ready_op)
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
-        writer = tf.compat.v1.summary.FileWriter(str(logdir), g.graph)
+        writer = progress.summary_writer(str(logdir), g.graph)
         loop = self._callable(g.loop_outputs, [g.start_step, g.num_steps])
-        evaluate = self._callable(g.eval_outputs)
-        history = []
-        self.dropped = 0
-        first_step, first_time = step, time.monotonic()
-        interval = Interval(time.monotonic())
-        while step < self.train_steps:
-            steps = self._steps_to_next_boundary(step)
-            out = loop(step, steps)
-            if out["steps_done"] != steps or out["next_step"] != step + steps:
+
+        def run_steps(start: int, count: int) -> dict:
+            out = loop(start, count)
+            if out["steps_done"] != count or out["next_step"] != start + count:
                 raise RunFailed(f"the training loop stopped early at step "
                                 f"{out['next_step']}")
-            step += steps
-            interval.steps += steps
-            interval.examples += float(out["stats"][0])
-            interval.loss_sum += float(out["stats"][1])
-            interval.correct += float(out["stats"][2])
-            self.dropped = int(out["dropped"])
-            if step % config.log_every == 0 or step == self.train_steps:
-                self._log_interval(writer, step, interval, self.dropped)
-                interval = Interval(time.monotonic())
-            if step % config.eval_every == 0 or step == self.train_steps:
-                history.append(self._evaluate(evaluate, writer, step))
-            if step % config.checkpoint_every == 0 or step == self.train_steps:
-                self._save(logdir, step)
-        train_secs = time.monotonic() - first_time
-        if not history or history[-1]["step"] != step:
-            history.append(self._evaluate(evaluate, writer, step))
-            self._save(logdir, step)
+            return out
+
+        first_step = step
+        outcome = progress.drive(
+            run_steps, self._callable(g.eval_outputs),
+            lambda at: self._save(logdir, at), self.config, step,
+            self.train_steps, writer)
         writer.close()
         local_steps = self._collect_finished()
-        self._write_results(logdir, step, step - first_step, train_secs,
-                            history, local_steps)
+        self._write_results(logdir, self.train_steps - first_step, outcome,
+                            local_steps)
         self._shut_down_ps()
         self.session.close()
 
@@ -260,51 +221,6 @@ class Worker:
                          logdir)
             self._save(logdir, step)
         return step
-
-    def _steps_to_next_boundary(self, step: int) -> int:
-        """Steps until the next log, eval or checkpoint boundary or the end."""
-        config = self.config
-        ends = [self.train_steps]
-        for every in (config.log_every, config.eval_every,
-                      config.checkpoint_every):
-            ends.append((step // every + 1) * every)
-        return min(ends) - step
-
-    def _log_interval(self, writer, step: int, interval: Interval,
-                      dropped: int) -> None:
-        elapsed = max(time.monotonic() - interval.start_time, 1e-9)
-        loss = interval.loss_sum / interval.examples
-        accuracy = interval.correct / interval.examples
-        images_per_sec = interval.examples / elapsed
-        step_ms = 1000.0 * elapsed / interval.steps
-        eta = (self.train_steps - step) * step_ms / 1000.0
-        logging.info(
-            "step %d/%d  loss %.4f  train accuracy %.2f%%  %.0f images/s  "
-            "%.2f ms/step  dropped gradients %d  ETA %s", step,
-            self.train_steps, loss, 100 * accuracy, images_per_sec, step_ms,
-            dropped, _format_secs(eta))
-        _write_scalars(writer, step, {
-            "train/loss": loss,
-            "train/accuracy": accuracy,
-            "train/learning_rate": self.config.learning_rate_at(
-                step - 1, self.train_steps),
-            "perf/images_per_sec": images_per_sec,
-            "perf/step_time_ms": step_ms,
-            "sync/dropped_gradients": dropped,
-        })
-
-    def _evaluate(self, evaluate, writer, step: int) -> dict:
-        start = time.monotonic()
-        out = evaluate()
-        result = {"step": step, "accuracy": float(out["accuracy"]),
-                  "loss": float(out["loss"])}
-        logging.info("step %d: test accuracy %.2f%%  test loss %.4f  (%.1f s)",
-                     step, 100 * result["accuracy"], result["loss"],
-                     time.monotonic() - start)
-        _write_scalars(writer, step, {"eval/accuracy": result["accuracy"],
-                                      "eval/loss": result["loss"]})
-        writer.flush()
-        return result
 
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         path = self.g.saver.save(self.session, str(logdir / "model.ckpt"),
@@ -333,30 +249,27 @@ class Worker:
                                       for k in missing))
         return reports
 
-    def _write_results(self, logdir, step, steps_trained, train_secs,
-                       history, local_steps) -> None:
+    def _write_results(self, logdir, steps_trained,
+                       outcome: progress.Outcome, local_steps) -> None:
         config = self.config
         cluster = self.task.cluster
-        images = steps_trained * config.batch_size
         results = {
-            "final_test_accuracy": history[-1]["accuracy"],
-            "final_test_loss": history[-1]["loss"],
-            "global_step": step,
+            "final_test_accuracy": outcome.history[-1]["accuracy"],
+            "final_test_loss": outcome.history[-1]["loss"],
+            "global_step": self.train_steps,
             "train_steps": self.train_steps,
             "steps_this_run": steps_trained,
-            "wall_time_secs": train_secs,
-            "images_per_sec": images / train_secs if train_secs else None,
-            "mean_step_time_ms": (1000.0 * train_secs / steps_trained
-                                  if steps_trained else None),
+            **outcome.summary(config.batch_size),
             "num_workers": cluster.num_workers,
             "num_ps": cluster.num_ps,
             "replicas_to_aggregate": config.replicas_to_aggregate(
                 cluster.num_workers),
             "backup_workers": config.backup_workers,
-            "dropped_gradients": self.dropped,
+            "dropped_gradients": outcome.dropped,
             "local_steps": {"0": steps_trained,
                             **{str(k): v for k, v in local_steps.items()}},
-            "eval_history": history,
+            "peak_rss_mb": peak_rss_mb(),
+            "eval_history": outcome.history,
             "flags": dataclasses.asdict(config),
             "cluster": cluster.as_dict(),
         }
@@ -364,7 +277,7 @@ class Worker:
         tmp.write_text(json.dumps(results, indent=2) + "\n")
         os.replace(tmp, logdir / RESULTS_FILE)
         logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
-                     100 * results["final_test_accuracy"], step,
+                     100 * results["final_test_accuracy"], self.train_steps,
                      logdir / RESULTS_FILE)
 
     def _shut_down_ps(self) -> None:
@@ -426,6 +339,29 @@ class Worker:
                 "with the same cluster and training flags")
 
 
+def make_callable(session, fetches: dict, feeds=(), timeout_secs=None):
+    """A C++ callable for `fetches` (no per-call Python feed handling).
+
+    Feeds are int64 scalars given positionally; the result is a dict like
+    `fetches`.
+    """
+    options = config_pb2.CallableOptions()
+    for tensor in feeds:
+        options.feed.append(tensor.name)
+    names = {key: tensor.name for key, tensor in fetches.items()}
+    for name in names.values():
+        options.fetch.append(name)
+    if timeout_secs:
+        options.run_options.timeout_in_ms = int(timeout_secs * 1000)
+    call = session._make_callable_from_options(options)
+
+    def run(*args):
+        values = call(*[np.asarray(a, np.int64) for a in args])
+        return dict(zip(names, values))
+
+    return run
+
+
 def check_checkpoint_matches(path: str, expected: dict, model: str) -> None:
     """Refuses a checkpoint whose entries do not fit this model."""
     found = tf.train.load_checkpoint(path).get_variable_to_shape_map()
@@ -449,13 +385,6 @@ def _first_difference(a: str, b: str) -> tuple[str, str]:
     return a, b
 
 
-def _write_scalars(writer, step: int, values: dict) -> None:
-    summary = tf.compat.v1.Summary(value=[
-        tf.compat.v1.Summary.Value(tag=tag, simple_value=float(value))
-        for tag, value in values.items()])
-    writer.add_summary(summary, step)
-
-
-def _format_secs(secs: float) -> str:
-    secs = int(round(secs))
-    return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

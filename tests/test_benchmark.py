@@ -1,0 +1,58 @@
+"""The benchmark command, run end to end in a tiny configuration."""
+
+import csv
+import importlib.util
+import json
+import math
+
+import pytest
+
+from tests import helpers
+
+pytestmark = pytest.mark.cluster
+RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
+NUMBERS = ["test_accuracy", "wall_time_secs", "train_time_secs",
+           "images_per_sec", "efficiency", "mean_step_time_ms",
+           "time_to_target_secs", "peak_rss_mb_max"]
+
+
+def test_benchmark_reports_every_run_and_column(tmp_path):
+    data = helpers.fake_mnist(tmp_path / "data")
+    out = tmp_path / "bench"
+    result = helpers.run(
+        ["-m", "trainer.benchmark", "--model=softmax", "--train_steps=40",
+         "--batch_size=32", "--workers=1,2", "--eval_every=20",
+         "--log_every=20", "--target_accuracy=0.05", f"--data_dir={data}",
+         "--nodownload", f"--out={out}"], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    table = [line for line in result.stdout.splitlines()
+             if line.startswith("| ")]
+    assert table[0].startswith("| run | workers | test acc |")
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == RUNS
+    assert all(line.count(" | ") == table[0].count(" | ") for line in table)
+
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["run"] for r in rows] == RUNS
+    for row in rows:
+        for column in NUMBERS:
+            value = float(row[column])
+            assert math.isfinite(value) and value > 0, (row["run"], column)
+        assert row["peak_rss_mb"].count(":") == (
+            1 if row["kind"] == "single" else int(row["workers"]) +
+            (row["kind"] == "ps"))
+
+    report = json.loads((out / "results.json").read_text())
+    assert [r["run"] for r in report["rows"]] == RUNS
+    for row in report["rows"]:
+        assert all(math.isfinite(row[c]) and row[c] > 0 for c in NUMBERS)
+    # Same seed, same batches: every configuration learns the same model.
+    accuracies = {round(r["test_accuracy"], 4) for r in report["rows"]}
+    assert max(accuracies) - min(accuracies) <= 0.001
+
+    for run in RUNS:  # each run's TensorBoard logs in its own folder
+        assert list((out / run).glob("events.out.tfevents.*")), run
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "results.png").stat().st_size > 10_000
+    else:
+        assert "matplotlib is not installed" in result.stdout
