@@ -34,6 +34,7 @@ from absl import flags
 from absl import logging
 
 from trainer import launch
+from trainer.errors import RunFailed
 from trainer import main as trainer_main
 
 flags.DEFINE_list("workers", ["1", "2", "4"],
@@ -124,8 +125,9 @@ def _stream(processes: list, label: str, timeout: float) -> list[int]:
     return statuses
 
 
-def _popen(args: list[str], log_path: pathlib.Path | None = None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def _popen(args: list[str], log_path: pathlib.Path | None = None,
+           **env_changes):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_changes)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.pop("TF_CONFIG", None)
     return subprocess.Popen(
@@ -144,7 +146,7 @@ def run_ps(out: pathlib.Path, workers: int, train_flags: list[str],
                       f"--report={report}", *train_flags])
     (status,) = _stream([process], label, FLAGS.run_timeout_secs)
     if status != 0:
-        raise RuntimeError(f"{label} failed with status {status}")
+        raise RunFailed(f"{label} failed with status {status}")
     tasks = json.loads(report.read_text())["tasks"]
     return Run(name, "ps", workers,
                json.loads((logdir / "results.json").read_text()),
@@ -164,11 +166,13 @@ def run_single(out: pathlib.Path, threads: int, label: str) -> Run:
     config = _write_config(out, name, intra_op_threads=threads,
                            checkpoint_every=_NO_CHECKPOINTS)
     results = out / f"{name}.results.json"
+    # A process without a server sizes its thread pool from this variable,
+    # not from the session's ConfigProto.
     process = _popen(["-m", "trainer.baselines", "single", str(config),
-                      str(results)])
+                      str(results)], TF_NUM_INTRAOP_THREADS=str(threads))
     (status,) = _stream([process], label, FLAGS.run_timeout_secs)
     if status != 0:
-        raise RuntimeError(f"{label} failed with status {status}")
+        raise RunFailed(f"{label} failed with status {status}")
     data = json.loads(results.read_text())
     return Run(name, "single", 1, data, {"process": data["peak_rss_mb"]})
 
@@ -187,7 +191,7 @@ def run_mwms(out: pathlib.Path, workers: int, label: str) -> Run:
                  for i in range(workers)]
     statuses = _stream(processes, label, FLAGS.run_timeout_secs)
     if any(statuses):
-        raise RuntimeError(f"{label} failed with statuses {statuses}")
+        raise RunFailed(f"{label} failed with statuses {statuses}")
     per_worker = [json.loads(p.read_text()) for p in outputs]
     return Run(name, "mwms", workers, per_worker[0],
                {f"worker{i}": r["peak_rss_mb"]
@@ -317,12 +321,16 @@ def main(argv) -> int:
                   "mwms": f"MWMS, {count} worker(s)"}[kind])
         logging.info("%s: starting", label)
         start = time.monotonic()
-        if kind == "ps":
-            runs.append(run_ps(out, count, train_flags, label))
-        elif kind == "single":
-            runs.append(run_single(out, count, label))
-        else:
-            runs.append(run_mwms(out, count, label))
+        try:
+            if kind == "ps":
+                runs.append(run_ps(out, count, train_flags, label))
+            elif kind == "single":
+                runs.append(run_single(out, count, label))
+            else:
+                runs.append(run_mwms(out, count, label))
+        except RunFailed as e:
+            logging.error("%s", e)
+            return 1
         logging.info("%s: done in %s", label, datetime.timedelta(
             seconds=round(time.monotonic() - start)))
     singles = [r for r in runs if r.kind == "single"]

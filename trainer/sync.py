@@ -60,6 +60,16 @@ def _variable(name, shape, dtype, initializer, transient):
             [TRANSIENT] if transient else []))
 
 
+def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
+    """tf.split by slices: a slice at an aligned offset shares the buffer
+    instead of copying it, so the big first piece costs nothing."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(tf.slice(packed, [start], [size]))
+        start += size
+    return pieces
+
+
 def _write_row(variable, row: tf.Tensor, value: tf.Tensor) -> tf.Operation:
     """variable[row[0]] = value, as an op (no read of the result)."""
     return tf.raw_ops.ResourceScatterUpdate(
@@ -159,7 +169,7 @@ class SyncState:
                                     self.shard_devices[1:]):
             with tf.device(device), tf.control_dependencies([step]):
                 values.append(variable.read_value())
-        value0, step_bits = tf.split(packed, [self.shard_sizes[0], 2])
+        value0, step_bits = _unpack(packed, [self.shard_sizes[0], 2])
         return _floats_to_int64(step_bits), [value0] + values
 
     def push(self, worker: int, step: tf.Tensor, shard_grads: list,
@@ -177,7 +187,7 @@ class SyncState:
                            axis=0)
         row = tf.constant([worker])
         with tf.device(self.shard_devices[0]):
-            grad0, stats_ps, step_bits = tf.split(
+            grad0, stats_ps, step_bits = _unpack(
                 packed, [self.shard_sizes[0], NUM_STATS, 2])
             writes = [_write_row(self.grads[0], row, grad0),
                       _write_row(self.stats, row, stats_ps)]
