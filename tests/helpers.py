@@ -116,3 +116,76 @@ def launch(logdir: pathlib.Path, data_dir: pathlib.Path, num_workers: int,
                 f"--num_workers={num_workers}", f"--logdir={logdir}",
                 f"--data_dir={data_dir}", "--nodownload", *flags],
                timeout=timeout)
+
+
+class ManualCluster:
+    """Tasks started one by one with `python -m trainer.main`, for tests
+    that kill and restart them. Every wait is bounded; `close()` kills
+    whatever is still running."""
+
+    def __init__(self, tmp_path: pathlib.Path, num_ps: int, num_workers: int,
+                 *flags: str):
+        ports = free_ports(num_ps + num_workers)
+        self.ps_hosts = ",".join(f"localhost:{p}" for p in ports[:num_ps])
+        self.worker_hosts = ",".join(f"localhost:{p}"
+                                     for p in ports[num_ps:])
+        self.flags = list(flags)
+        self.dir = tmp_path
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.starts: dict[str, int] = {}
+
+    def log_path(self, name: str, start: int | None = None) -> pathlib.Path:
+        start = self.starts[name] if start is None else start
+        return self.dir / f"{name}.{start}.log"
+
+    def start(self, job: str, index: int, *extra: str) -> str:
+        name = f"{job}{index}"
+        self.starts[name] = self.starts.get(name, -1) + 1
+        log = open(self.log_path(name), "w")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", "trainer.main", f"--job_name={job}",
+             f"--task_index={index}", f"--ps_hosts={self.ps_hosts}",
+             f"--worker_hosts={self.worker_hosts}", *self.flags, *extra],
+            stdout=log, stderr=subprocess.STDOUT, env=python_env(), cwd=REPO,
+            start_new_session=True)
+        return name
+
+    def log(self, name: str, start: int | None = None) -> str:
+        path = self.log_path(name, start)
+        return path.read_text() if path.exists() else ""
+
+    def wait_for(self, name: str, pattern: str, timeout: float = 120.0):
+        """Waits until the task's current log matches `pattern` (a regex)."""
+        import re
+        import time
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log(name))
+            if match:
+                return match
+            if self.processes[name].poll() is not None:
+                raise AssertionError(
+                    f"{name} exited with {self.processes[name].returncode} "
+                    f"before /{pattern}/:\n{self.log(name)[-3000:]}")
+            time.sleep(0.1)
+        raise AssertionError(f"{name}: no /{pattern}/ in {timeout} s:\n"
+                             f"{self.log(name)[-3000:]}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a machine that loses power."""
+        process = self.processes[name]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def wait(self, name: str, timeout: float = 180.0) -> int:
+        try:
+            return self.processes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout} s:\n"
+                                 f"{self.log(name)[-3000:]}") from None
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()

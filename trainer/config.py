@@ -36,6 +36,7 @@ class TrainConfig:
     intra_op_threads: int = 0          # 0: TensorFlow's default, all cores
     inter_op_threads: int = 0
     startup_timeout_secs: float = 120.0
+    worker_timeout_secs: float = 120.0
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
@@ -85,7 +86,8 @@ def validate(config: TrainConfig, num_workers: int) -> None:
         if getattr(config, name) < 0:
             raise UserError(f"--{name}={getattr(config, name)} must be 0 "
                             "(one per core) or more")
-    for name in ("learning_rate", "epochs", "startup_timeout_secs"):
+    for name in ("learning_rate", "epochs", "startup_timeout_secs",
+                 "worker_timeout_secs"):
         _positive(name, getattr(config, name), float)
     if not 0 <= config.momentum < 1:
         raise UserError(f"--momentum={config.momentum} must be in [0, 1)")

@@ -179,7 +179,9 @@ class WorkerGraph:
     stop_op: tf.Operation | None = None
     stop_reason_in: tf.Tensor | None = None
     shutdown_ops: list | None = None
+    shutdown_status: tf.Tensor | None = None  # feed 1 when the run failed
     global_step: tf.Tensor | None = None
+    admitted: tf.Tensor | None = None
     stop_reason: tf.Tensor | None = None
 
 
@@ -318,6 +320,7 @@ def _add_coordination(g: WorkerGraph, k: int) -> None:
         g.chief_fingerprint = sync.cluster_fingerprint.read_value()
         g.stop_reason = sync.stop_reason.read_value()
         g.global_step = sync.global_step.read_value()
+        g.admitted = sync.admitted.read_value()
         g.resync_step = sync.resync_step(k)
         g.local_steps_in = tf.compat.v1.placeholder(tf.int64, [],
                                                     "local_steps")
@@ -339,10 +342,13 @@ def _add_chief_parts(g: WorkerGraph, config: TrainConfig, num_ps: int,
         g.stop_op = sync.stop_op(g.stop_reason_in)
         g.take_finished = sync.finished.dequeue()
         g.finished_count = sync.finished.size()
+    g.shutdown_status = tf.compat.v1.placeholder_with_default(
+        tf.constant(0), [], "shutdown_status")
     g.shutdown_ops = []
     for i in range(num_ps):
         with tf.device(ps_device(i)):
-            g.shutdown_ops.append(sync_lib.shutdown_queue(i).enqueue(1))
+            g.shutdown_ops.append(
+                sync_lib.shutdown_queue(i).enqueue(g.shutdown_status))
     slots = {name: (lambda v, name=name: optimizer.get_slot(v, name))
              for name in optimizer.get_slot_names()}
     saveables = flat.saveables(slots)

@@ -18,7 +18,7 @@ from absl import logging  # noqa: E402
 
 from trainer import cluster as cluster_lib  # noqa: E402
 from trainer.config import (  # noqa: E402
-    LR_SCHEDULES, MODELS, OPTIMIZERS, TrainConfig)
+    LR_SCHEDULES, MODELS, OPTIMIZERS, TrainConfig, validate)
 from trainer.errors import RunFailed, UserError  # noqa: E402
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
@@ -76,7 +76,11 @@ flags.DEFINE_integer("intra_op_threads", 0,
 flags.DEFINE_integer("inter_op_threads", 0,
                      "Ops run at once in this process (0: one per core).")
 flags.DEFINE_float("startup_timeout_secs", 120,
-                   "How long to wait for the ps tasks and the chief.")
+                   "How long to wait for the ps tasks and the chief, at "
+                   "start and after losing a ps.")
+flags.DEFINE_float("worker_timeout_secs", 120,
+                   "How long the chief waits for a missing worker's "
+                   "gradient before it checkpoints and stops the run.")
 flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
 
 FLAGS = flags.FLAGS
@@ -102,7 +106,8 @@ def config_from_flags() -> TrainConfig:
         backup_workers=FLAGS.backup_workers,
         intra_op_threads=FLAGS.intra_op_threads,
         inter_op_threads=FLAGS.inter_op_threads,
-        startup_timeout_secs=FLAGS.startup_timeout_secs)
+        startup_timeout_secs=FLAGS.startup_timeout_secs,
+        worker_timeout_secs=FLAGS.worker_timeout_secs)
 
 
 def task_from_flags() -> cluster_lib.Task:
@@ -121,9 +126,11 @@ def main(argv) -> int:
     try:
         task = task_from_flags()
         config = config_from_flags()
+        validate(config, task.cluster.num_workers)
     except UserError as e:
         return _fail(e, 2)
     from trainer import train  # imports TensorFlow: after the flag checks
+    train.tf.get_logger().setLevel("ERROR")  # deprecation chatter of tf.v1
 
     # Training runs in a thread of its own so that this (main) thread, where
     # Python delivers signals, can act on Ctrl-C or SIGTERM at once even

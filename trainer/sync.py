@@ -80,7 +80,7 @@ def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
     """The queue ps task `ps_index` waits on before it exits.
 
     Build it under that ps task's device; the chief puts one element in it
-    when the run is over.
+    when the run is over: 0 if training finished, 1 if the run failed.
     """
     return tf.queue.FIFOQueue(_QUEUE_CAPACITY, [tf.int32], shapes=[[]],
                               shared_name=f"shutdown/ps_{ps_index}",

@@ -21,8 +21,11 @@ from tensorflow.core.protobuf import config_pb2
 
 from trainer import data as data_lib
 from trainer import graph as graph_lib
+from trainer import model as model_lib
+from trainer import params as params_lib
 from trainer import progress
 from trainer import sync as sync_lib
+from trainer import watchdog as watchdog_lib
 from trainer.cluster import Task, split_address
 from trainer.config import TrainConfig, validate
 from trainer.errors import RunFailed, UserError
@@ -40,8 +43,10 @@ def run(config: TrainConfig, task: Task) -> None:
     if task.job_name == "ps":
         serve_ps(config, task, start_server(config, task))
         return
-    # Read the data first: a bad file should stop this task before its
-    # server is up.
+    # Check the data and the logdir first: bad input should stop this task
+    # before its server is up.
+    if task.is_chief:
+        check_logdir_fits_model(config)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
     mnist = data_lib.load(data_dir, config.download, need_test=task.is_chief)
     logging.info("data: %d training and %d test images from %s",
@@ -122,16 +127,32 @@ def serve_ps(config: TrainConfig, task: Task, server) -> None:
         logging.info("%s serving", task.describe())
         while True:
             try:
-                session.run(wait, options=options)
+                status = session.run(wait, options=options)
                 break
             except tf.errors.DeadlineExceededError:
                 continue
+    if status:
+        raise RunFailed("the chief stopped the run after an error; see its "
+                        "log")
     logging.info("%s: the chief reported the end of training; exiting",
                  task.describe())
 
 
+# Errors a task sees when a ps task died or restarted (connection refused,
+# session or graph handle gone, variables gone or not yet initialized).
+PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
+           tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
+           tf.errors.CancelledError, tf.errors.InternalError)
+
+
 class Worker:
-    """The Python side of one worker: start-up, the loop, the end."""
+    """The Python side of one worker: start-up, the loop, the end.
+
+    A worker that loses the ps tasks (one died or restarted) reconnects:
+    it waits for them, opens a new session and goes on; the chief first
+    restores the latest checkpoint, since a restarted ps has lost the
+    variables. It gives up if no step succeeds for --startup_timeout_secs.
+    """
 
     def __init__(self, config: TrainConfig, task: Task, server):
         self.config = config
@@ -139,37 +160,99 @@ class Worker:
         self.server = server
         self.is_chief = task.is_chief
         self.k = task.task_index
+        self.session = None
+        self.stop_reason = None   # set by the watchdog when it gives up
+        self.local_steps = 0
 
-    # --- Setting up ---
+    # --- Setting up and reconnecting ---
 
     def run(self, mnist: data_lib.Mnist) -> None:
         config = self.config
+        self.mnist = mnist
         self.train_steps = config.resolved_train_steps(len(mnist.train_labels))
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         self.g = graph_lib.build_worker(
             config, self.task, len(mnist.train_labels),
             max(len(mnist.test_labels), 1), self.train_steps)
-        wait_for_ps(self.task, config.startup_timeout_secs)
-        self.session = tf.compat.v1.Session(
-            self.server.target, graph=self.g.graph,
-            config=graph_lib.session_config(config, self.task))
-        self.g.trainset.initialize(self.session, mnist.train_images,
-                                   mnist.train_labels)
-        if self.is_chief:
-            self.g.testset_init(self.session, mnist.test_images,
-                                mnist.test_labels)
-        del mnist
+        self.last_progress = time.monotonic()
         # Saver.save and .restore build nothing here, but look at the
         # default graph to decide between graph and eager mode.
         with self.g.graph.as_default():
-            if self.is_chief:
-                self.run_chief()
-            else:
-                self.run_follower()
+            while True:
+                try:
+                    self._connect()
+                    if self.is_chief:
+                        self.run_chief()
+                    else:
+                        self.run_follower()
+                    return
+                except Exception as e:  # noqa: BLE001 (re-raised below)
+                    if self.stop_reason:  # the watchdog closed the session
+                        raise RunFailed(self.stop_reason) from None
+                    if not isinstance(e, PS_LOST):
+                        raise
+                    self._handle_lost(e)
 
-    def _callable(self, fetches, feeds=(), timeout_secs=None):
-        return make_callable(self.session, fetches, feeds, timeout_secs)
+    def _connect(self) -> None:
+        wait_for_ps(self.task, self.config.startup_timeout_secs)
+        self.session = tf.compat.v1.Session(
+            self.server.target, graph=self.g.graph,
+            config=graph_lib.session_config(self.config, self.task))
+        self.g.trainset.initialize(self.session, self.mnist.train_images,
+                                   self.mnist.train_labels)
+        if self.is_chief:
+            self.g.testset_init(self.session, self.mnist.test_images,
+                                self.mnist.test_labels)
+
+    def _handle_lost(self, error: tf.errors.OpError) -> None:
+        """Closes the broken session; fails if nothing has worked for long."""
+        self._close_session()
+        first_line = error_summary(error)
+        if time.monotonic() - self.last_progress > (
+                self.config.startup_timeout_secs):
+            raise RunFailed(
+                f"no training step succeeded for "
+                f"{self.config.startup_timeout_secs:.0f} s "
+                f"(--startup_timeout_secs); last error: {first_line}"
+                ) from None
+        logging.warning("lost the ps tasks (%s); reconnecting", first_line)
+
+    def _close_session(self) -> None:
+        if self.session is not None:
+            try:
+                self.session.close()
+            except Exception:  # the ps may be gone already
+                pass
+            self.session = None
+
+    def _callable(self, fetches, feeds=()):
+        return make_callable(self.session, fetches, feeds)
+
+    def _watchdog(self, timeout_secs: float, on_timeout) -> watchdog_lib.Watchdog:
+        read = self._callable({"step": self.g.global_step,
+                               "admitted": self.g.admitted})
+        cluster = self.task.cluster
+
+        def read_progress():
+            out = read()
+            return int(out["step"]), list(out["admitted"])
+
+        def describe_missing(admitted) -> str:
+            missing = [k for k, flag in enumerate(admitted)
+                       if flag < 0.5 and k != self.k]
+            if not missing:
+                return "the chief to apply the step"
+            return ", ".join(cluster.describe("worker", k) for k in missing)
+
+        return watchdog_lib.Watchdog(read_progress, describe_missing,
+                                     timeout_secs, on_timeout)
+
+    def _give_up(self, reason: str) -> None:
+        """From the watchdog: end the blocked session.run with a reason."""
+        self.stop_reason = reason
+        session, self.session = self.session, None
+        session.close()  # cancels the step the main thread is blocked in
 
     # --- The chief ---
 
@@ -184,25 +267,56 @@ class Worker:
                      self.train_steps)
         writer = progress.summary_writer(str(logdir), g.graph)
         loop = self._callable(g.loop_outputs, [g.start_step, g.num_steps])
+        with self._watchdog(self.config.worker_timeout_secs,
+                            lambda at, who: self._stop_stalled_run(
+                                logdir, at, who)) as dog:
 
-        def run_steps(start: int, count: int) -> dict:
-            out = loop(start, count)
-            if out["steps_done"] != count or out["next_step"] != start + count:
-                raise RunFailed(f"the training loop stopped early at step "
-                                f"{out['next_step']}")
-            return out
+            def run_steps(start: int, count: int) -> dict:
+                # The first step also waits for every worker to start.
+                with dog.busy(self.config.startup_timeout_secs
+                              if start == step else None):
+                    out = loop(start, count)
+                if out["steps_done"] != count or (
+                        out["next_step"] != start + count):
+                    raise RunFailed(f"the training loop stopped early at "
+                                    f"step {out['next_step']}")
+                self.last_progress = time.monotonic()
+                return out
 
-        first_step = step
-        outcome = progress.drive(
-            run_steps, self._callable(g.eval_outputs),
-            lambda at: self._save(logdir, at), self.config, step,
-            self.train_steps, writer)
+            outcome = progress.drive(
+                run_steps, self._callable(g.eval_outputs),
+                lambda at: self._save(logdir, at), self.config, step,
+                self.train_steps, writer)
         writer.close()
         local_steps = self._collect_finished()
-        self._write_results(logdir, self.train_steps - first_step, outcome,
+        self._write_results(logdir, self.train_steps - step, outcome,
                             local_steps)
         self._shut_down_ps()
-        self.session.close()
+        self._close_session()
+
+    def _stop_stalled_run(self, logdir: pathlib.Path, step: int,
+                          who: str) -> None:
+        """The step waited --worker_timeout_secs for `who`: save and stop.
+
+        The blocked step has not been applied, so the parameters are those
+        after `step` steps: a consistent checkpoint to resume from.
+        """
+        reason = (f"{who} sent no gradient for step {step} in "
+                  f"{self.config.worker_timeout_secs:.0f} s "
+                  "(--worker_timeout_secs)")
+        with self.g.graph.as_default():
+            try:
+                self._save(logdir, step)
+                self.session.run(self.g.stop_op,
+                                 {self.g.stop_reason_in: reason})
+                self._shut_down_ps(failed=True)
+            except tf.errors.OpError as e:
+                logging.warning("could not save or stop cleanly: %s",
+                                error_summary(e))
+        self._give_up(
+            f"{reason}; stopped the run after saving a checkpoint at step "
+            f"{step}; restart the missing task(s) and start every task again "
+            "with the same flags to continue from it")
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         g = self.g
@@ -210,10 +324,10 @@ class Worker:
         if latest:
             check_checkpoint_matches(latest, g.checkpoint_shapes,
                                      self.config.model)
-            g.saver.restore(self.session, latest)
+            restored = self._restore(logdir)
             self.session.run(g.transient_init_op)
             step = int(self.session.run(g.global_step))
-            logging.info("restored %s (global step %d)", latest, step)
+            logging.info("restored %s (global step %d)", restored, step)
         else:
             self.session.run(g.init_op)
             step = int(self.session.run(g.global_step))
@@ -222,6 +336,35 @@ class Worker:
             self._save(logdir, step)
         return step
 
+    def _restore(self, logdir: pathlib.Path) -> str:
+        """Restores the newest readable checkpoint; returns its path.
+
+        A checkpoint that cannot be read (cut short by a crash or a full
+        disk) is skipped, with a warning, for the one before it. If none
+        can be read the run stops rather than start over on top of them.
+        """
+        state = tf.train.get_checkpoint_state(str(logdir))
+        paths = list(state.all_model_checkpoint_paths)
+        for path in reversed(paths):
+            files = tf.io.gfile.glob(path + ".*")
+            if not any(f.endswith(".index") for f in files) or not any(
+                    ".data-" in f for f in files):
+                logging.warning("checkpoint %s has missing files; trying the "
+                                "one before it", path)
+                continue
+            try:
+                self.g.saver.restore(self.session, path)
+                return path
+            except (tf.errors.DataLossError, tf.errors.OutOfRangeError,
+                    tf.errors.InvalidArgumentError) as e:
+                logging.warning("cannot restore %s (%s); trying the "
+                                "checkpoint before it", path,
+                                error_summary(e))
+        raise UserError(
+            f"none of the {len(paths)} checkpoint(s) in {logdir} can be "
+            "read; move them elsewhere to start over, or give another "
+            "--logdir")
+
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         path = self.g.saver.save(self.session, str(logdir / "model.ckpt"),
                                  global_step=step, write_meta_graph=False)
@@ -229,18 +372,17 @@ class Worker:
 
     def _collect_finished(self) -> dict:
         """Local step counts that the other workers report as they finish."""
-        take = self._callable({"worker": self.g.take_finished[0],
-                               "steps": self.g.take_finished[1]},
-                              timeout_secs=1.0)
+        options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while (len(reports) < self.task.cluster.num_workers - 1
                and time.monotonic() < deadline):
             try:
-                out = take()
+                worker, steps = self.session.run(self.g.take_finished,
+                                                 options=options)
             except tf.errors.DeadlineExceededError:
                 continue
-            reports[int(out["worker"])] = int(out["steps"])
+            reports[int(worker)] = int(steps)
         missing = [k for k in range(1, self.task.cluster.num_workers)
                    if k not in reports]
         if missing:
@@ -280,15 +422,17 @@ class Worker:
                      100 * results["final_test_accuracy"], self.train_steps,
                      logdir / RESULTS_FILE)
 
-    def _shut_down_ps(self) -> None:
+    def _shut_down_ps(self, failed: bool = False) -> None:
+        """Tells every ps task to exit (with status 1 if the run failed)."""
         options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
         for i, op in enumerate(self.g.shutdown_ops):
             try:
-                self.session.run(op, options=options)
+                self.session.run(op, {self.g.shutdown_status: int(failed)},
+                                 options=options)
             except tf.errors.OpError as e:
                 logging.warning("could not tell %s to exit: %s",
                                 self.task.cluster.describe("ps", i),
-                                e.message.splitlines()[0])
+                                error_summary(e))
 
     # --- Other workers ---
 
@@ -297,20 +441,30 @@ class Worker:
         self._wait_for_chief()
         step = int(self.session.run(g.resync_step))
         loop = self._callable(g.loop_outputs, [g.start_step, g.num_steps])
-        local_steps = 0
         logging.info("worker %d starts at global step %d", self.k, step)
-        while 0 <= step < self.train_steps:
-            out = loop(step, self.config.log_every)
-            local_steps += int(out["steps_done"])
-            step = int(out["next_step"])
-            logging.info("worker %d: global step %d, %d local steps",
-                         self.k, max(step, 0), local_steps)
+        # The chief gives up on a missing worker after --worker_timeout_secs
+        # and tells us why; we wait twice that long for it to do so.
+        timeout = 2 * self.config.worker_timeout_secs
+        with self._watchdog(timeout, lambda at, who: self._give_up(
+                f"global step {at} did not move for {timeout:.0f} s "
+                f"(2 x --worker_timeout_secs), waiting for {who}; is the "
+                f"chief, {self.task.cluster.describe('worker', 0)}, "
+                "running?")) as dog:
+            while 0 <= step < self.train_steps:
+                with dog.busy():
+                    out = loop(step, self.config.log_every)
+                self.last_progress = time.monotonic()
+                self.local_steps += int(out["steps_done"])
+                step = int(out["next_step"])
+                logging.info("worker %d: global step %d, %d local steps",
+                             self.k, max(step, 0), self.local_steps)
         if step == sync_lib.STOP:
             reason = self.session.run(g.stop_reason).decode()
             raise RunFailed(f"the chief stopped the run: {reason}")
-        self.session.run(g.finish_op, {g.local_steps_in: local_steps})
-        logging.info("worker %d finished: %d local steps", self.k, local_steps)
-        self.session.close()
+        self.session.run(g.finish_op, {g.local_steps_in: self.local_steps})
+        logging.info("worker %d finished: %d local steps", self.k,
+                     self.local_steps)
+        self._close_session()
 
     def _wait_for_chief(self) -> None:
         chief = self.task.cluster.describe("worker", 0)
@@ -339,7 +493,17 @@ class Worker:
                 "with the same cluster and training flags")
 
 
-def make_callable(session, fetches: dict, feeds=(), timeout_secs=None):
+def error_summary(error: Exception) -> str:
+    """The first informative line of a TensorFlow error, shortened."""
+    text = str(getattr(error, "message", None) or error)
+    for line in text.splitlines():
+        line = line.strip()
+        if line and set(line) != {"="}:
+            return line[:200]
+    return type(error).__name__
+
+
+def make_callable(session, fetches: dict, feeds=()):
     """A C++ callable for `fetches` (no per-call Python feed handling).
 
     Feeds are int64 scalars given positionally; the result is a dict like
@@ -351,8 +515,6 @@ def make_callable(session, fetches: dict, feeds=(), timeout_secs=None):
     names = {key: tensor.name for key, tensor in fetches.items()}
     for name in names.values():
         options.fetch.append(name)
-    if timeout_secs:
-        options.run_options.timeout_in_ms = int(timeout_secs * 1000)
     call = session._make_callable_from_options(options)
 
     def run(*args):
@@ -362,9 +524,30 @@ def make_callable(session, fetches: dict, feeds=(), timeout_secs=None):
     return run
 
 
-def check_checkpoint_matches(path: str, expected: dict, model: str) -> None:
+def check_logdir_fits_model(config: TrainConfig) -> None:
+    """Refuses, before any server starts, a logdir of another model."""
+    latest = tf.train.latest_checkpoint(config.logdir)
+    if not latest:
+        return
+    specs = params_lib.record(lambda: model_lib.build(
+        config.model, tf.zeros([1, 28, 28, 1]), seed=config.seed,
+        hidden_units=config.hidden_units))
+    check_checkpoint_matches(latest, {s.name: list(s.shape) for s in specs},
+                             config.model, exact=True)
+
+
+def check_checkpoint_matches(path: str, expected: dict, model: str,
+                             exact: bool = False) -> None:
     """Refuses a checkpoint whose entries do not fit this model."""
     found = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    extra = sorted(name for name in found if name.startswith(
+        params_lib.SCOPE + "/") and name.count("/") == 2
+        and name not in expected)
+    if exact and extra:
+        raise UserError(
+            f"checkpoint {path} does not fit --model={model}: it has "
+            f"'{extra[0]}' {found[extra[0]]}, which this model does not; use "
+            "a new --logdir, or the flags that wrote this checkpoint")
     for name, shape in sorted(expected.items()):
         if name not in found:
             raise UserError(

@@ -1,0 +1,207 @@
+"""Faults on real clusters of OS processes: kill -9 at a chosen step.
+
+Training is deterministic (batches, dropout and initialisation depend only
+on the seed and the step), so a run that survived a fault must end with the
+same parameters as one that did not: any step that averaged a gradient
+twice, mixed steps, or was lost or applied twice would show.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests import helpers
+from tests.test_cluster_runs import (assert_all_gone, final_parameters,
+                                     max_relative_difference, pids_started)
+
+pytestmark = pytest.mark.cluster
+STEPS = 300
+FLAGS = ("--model=mlp", "--batch_size=60", f"--train_steps={STEPS}",
+         "--log_every=20", "--checkpoint_every=50", "--seed=5")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return helpers.fake_mnist(tmp_path_factory.mktemp("data"), train=2000)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """The same training with no fault: parameters and final accuracy."""
+    logdir = tmp_path_factory.mktemp("reference")
+    result = helpers.launch(logdir, data, 2, *FLAGS)
+    assert result.returncode == 0, result.stdout[-3000:]
+    results = json.loads((logdir / "results.json").read_text())
+    return final_parameters(logdir), results["final_test_accuracy"]
+
+
+@pytest.fixture
+def cluster(request, tmp_path, data):
+    made = []
+
+    def make(num_workers, *extra):
+        c = helpers.ManualCluster(tmp_path, 1, num_workers, *FLAGS,
+                                  f"--data_dir={data}", "--nodownload",
+                                  f"--logdir={tmp_path / 'logs'}", *extra)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def start_all(c, num_workers):
+    c.start("ps", 0)
+    for k in range(num_workers):
+        c.start("worker", k)
+
+
+def assert_same_as_reference(logdir, reference):
+    parameters, accuracy = reference
+    difference = max_relative_difference(parameters, final_parameters(logdir))
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["global_step"] == STEPS
+    assert difference <= 1e-5, difference
+    assert abs(results["final_test_accuracy"] - accuracy) < 1e-6
+    return difference
+
+
+def test_worker_killed_and_restarted(cluster, tmp_path, reference):
+    c = cluster(2, "--worker_timeout_secs=60")
+    start_all(c, 2)
+    c.wait_for("worker0", r"step 100/")
+    c.kill("worker1")
+    killed = time.monotonic()
+    time.sleep(2)
+    c.start("worker", 1)
+    resumed = c.wait_for("worker1", r"worker 1 starts at global step (\d+)")
+    print(f"worker 1 back at step {resumed.group(1)} "
+          f"{time.monotonic() - killed:.1f} s after the kill")
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    print("largest parameter difference",
+          assert_same_as_reference(tmp_path / "logs", reference))
+
+
+def test_backup_worker_killed_and_not_restarted(cluster, tmp_path):
+    c = cluster(3, "--backup_workers=1", "--worker_timeout_secs=60")
+    start_all(c, 3)
+    c.wait_for("worker0", r"step 100/")
+    c.kill("worker2")
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    results = json.loads((tmp_path / "logs" / "results.json").read_text())
+    assert results["global_step"] == STEPS
+    assert results["local_steps"]["1"] >= STEPS - 100
+    assert "no end-of-training report from worker 2" in c.log("worker0")
+
+
+def test_missing_worker_stops_the_run_then_a_restart_goes_on(
+        cluster, tmp_path, reference):
+    c = cluster(2, "--worker_timeout_secs=10")
+    start_all(c, 2)
+    c.wait_for("worker0", r"step 100/")
+    c.kill("worker1")
+    killed = time.monotonic()
+    assert c.wait("worker0", timeout=60) == 1
+    assert c.wait("ps0", timeout=30) == 1
+    stopped_after = time.monotonic() - killed
+    print(f"run stopped {stopped_after:.1f} s after worker 1 died")
+    assert stopped_after < 10 + 20
+    log = c.log("worker0")
+    assert re.search(r"worker 1 \(localhost:\d+\) sent no gradient for step "
+                     r"\d+ in 10 s \(--worker_timeout_secs\)", log)
+    assert "Traceback" not in log
+    saved = int(re.search(r"saving a checkpoint at step (\d+)",
+                          log).group(1))
+    start_all(c, 2)  # the same commands again
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    assert f"(global step {saved})" in c.log("worker0")
+    assert_same_as_reference(tmp_path / "logs", reference)
+
+
+def test_chief_killed_and_restarted(cluster, tmp_path, reference):
+    c = cluster(2, "--worker_timeout_secs=60")
+    start_all(c, 2)
+    reached = int(c.wait_for("worker0", r"step (1[2-9]0)/").group(1))
+    c.kill("worker0")
+    time.sleep(2)
+    c.start("worker", 0)
+    restored = int(c.wait_for(
+        "worker0", r"restored \S+ \(global step (\d+)\)").group(1))
+    print(f"chief killed after step {reached}, restored step {restored}")
+    assert 0 < restored <= reached
+    assert reached - restored <= 50 + 20  # one checkpoint interval (+ log lag)
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    assert_same_as_reference(tmp_path / "logs", reference)
+
+
+def test_ps_killed_and_restarted(cluster, tmp_path, reference):
+    c = cluster(2, "--worker_timeout_secs=60")
+    start_all(c, 2)
+    c.wait_for("worker0", r"step 120/")
+    c.kill("ps0")
+    time.sleep(2)
+    c.start("ps", 0)
+    c.wait_for("worker0", r"lost the ps tasks .*; reconnecting")
+    c.wait_for("worker1", r"lost the ps tasks .*; reconnecting")
+    restored = int(c.wait_for(
+        "worker0", r"restored \S+ \(global step (\d+)\)").group(1))
+    assert restored >= 100
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    assert_same_as_reference(tmp_path / "logs", reference)
+
+
+def test_ctrl_c_then_the_same_command_resumes(tmp_path, data, reference):
+    logdir = tmp_path / "logs"
+    command = [sys.executable, "-m", "trainer.launch", "--num_workers=2",
+               f"--logdir={logdir}", f"--data_dir={data}", "--nodownload",
+               *FLAGS]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True,
+                               env=helpers.python_env(), cwd=helpers.REPO,
+                               start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("model.ckpt-100" in line for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, (
+                "".join(lines)[-3000:])
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(timeout=10)
+    assert_all_gone(pids_started("".join(lines)))
+    second = helpers.launch(logdir, data, 2, *FLAGS)
+    assert second.returncode == 0, second.stdout[-3000:]
+    restored = int(re.search(r"restored \S+ \(global step (\d+)\)",
+                             second.stdout).group(1))
+    assert restored >= 100
+    assert_same_as_reference(logdir, reference)
+
+
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(
+        tmp_path, data):
+    logdir = tmp_path / "logs"
+    first = helpers.launch(logdir, data, 1, *FLAGS)
+    assert first.returncode == 0, first.stdout[-3000:]
+    latest = logdir / f"model.ckpt-{STEPS}.data-00000-of-00001"
+    latest.write_bytes(latest.read_bytes()[:100])  # cut short
+    more = [f for f in FLAGS if not f.startswith("--train_steps")]
+    second = helpers.launch(logdir, data, 1, *more,
+                            f"--train_steps={STEPS + 40}")
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert f"cannot restore {logdir}/model.ckpt-{STEPS}" in second.stdout
+    assert "(global step 250)" in second.stdout

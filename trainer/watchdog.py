@@ -1,0 +1,96 @@
+"""Noticing a stalled cluster while a long session.run blocks.
+
+The step loop runs inside the graph, so a worker that died leaves the
+chief's session.run waiting in the admission queue and the others waiting
+for tokens, with no Python code running in those threads. A Watchdog
+thread reads the global step and the admissions of the current step every
+few seconds (the same session, concurrently), warns while the step stands
+still, naming the workers whose gradients have not arrived, and calls
+`on_timeout` once it has stood still for `timeout_secs`.
+"""
+
+import threading
+import time
+from typing import Callable
+
+from absl import logging
+
+CHECK_SECS = 2.0
+WARN_EVERY_SECS = 10.0
+
+
+class Watchdog:
+    """Warns about, then acts on, a global step that does not move."""
+
+    def __init__(self, read_progress: Callable[[], tuple[int, list]],
+                 describe_missing: Callable[[list], str], timeout_secs: float,
+                 on_timeout: Callable[[int, str], None]):
+        """
+        Args:
+          read_progress: () -> (global step, admitted flags per worker).
+          describe_missing: admitted flags -> who the step waits for.
+          timeout_secs: how long the step may stand still.
+          on_timeout: (step, who) -> None, called once, from the thread.
+        """
+        self._read = read_progress
+        self._describe = describe_missing
+        self._timeout = timeout_secs
+        self._run_timeout = timeout_secs
+        self._on_timeout = on_timeout
+        self._busy = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="watchdog")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=CHECK_SECS * 3)
+
+    def busy(self, timeout_secs: float | None = None):
+        """Context: the step should move while inside (a training run).
+
+        `timeout_secs` replaces the timeout for this run (the first step,
+        which waits for every worker to start, gets the start-up timeout).
+        """
+        watchdog = self
+
+        class _Busy:
+            def __enter__(self):
+                watchdog._run_timeout = timeout_secs or watchdog._timeout
+                watchdog._busy.set()
+
+            def __exit__(self, *exc):
+                watchdog._busy.clear()
+
+        return _Busy()
+
+    def _watch(self) -> None:
+        last_step, since, next_warning = None, time.monotonic(), None
+        while not self._stop.wait(CHECK_SECS):
+            now = time.monotonic()
+            if not self._busy.is_set():
+                last_step, since, next_warning = None, now, None
+                continue
+            try:
+                step, admitted = self._read()
+            except Exception:  # the main thread sees and handles it
+                continue
+            if step != last_step:
+                last_step, since = step, now
+                next_warning = now + WARN_EVERY_SECS
+                continue
+            stalled = now - since
+            if stalled >= self._run_timeout:
+                self._on_timeout(step, self._describe(admitted))
+                return
+            if next_warning is not None and now >= next_warning:
+                logging.warning(
+                    "global step %d has not moved for %.0f s; waiting for "
+                    "%s (giving up after %.0f s, --worker_timeout_secs)",
+                    step, stalled, self._describe(admitted),
+                    self._run_timeout)
+                next_warning = now + WARN_EVERY_SECS
