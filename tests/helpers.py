@@ -4,7 +4,6 @@ import gzip
 import os
 import pathlib
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -16,15 +15,9 @@ SHARED_MNIST = REPO.parent / "shared" / "mnist"
 
 
 def free_ports(count: int) -> list[int]:
-    """Loopback ports that are free now, distinct from one another."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """Loopback ports that are free now (the launcher's choice of them)."""
+    from trainer import launch
+    return launch.free_ports("localhost", count)
 
 
 def real_mnist_dir() -> pathlib.Path | None:

@@ -21,7 +21,7 @@ import os
 import pathlib
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import logging  # noqa: E402
 import numpy as np  # noqa: E402
@@ -38,7 +38,9 @@ from trainer.train import make_callable, peak_rss_mb  # noqa: E402
 
 def _load(config: TrainConfig, need_test: bool):
     mnist = data_lib.load(data_lib.resolve_data_dir(config.data_dir),
-                          config.download, need_test=need_test)
+                          config.download,
+                          data_lib.mirror_list(config.data_url),
+                          need_test=need_test)
     return mnist, config.resolved_train_steps(len(mnist.train_labels))
 
 

@@ -128,7 +128,7 @@ def _stream(processes: list, label: str, timeout: float) -> list[int]:
 def _popen(args: list[str], log_path: pathlib.Path | None = None,
            **env_changes):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **env_changes)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.pop("TF_CONFIG", None)
     return subprocess.Popen(
         [sys.executable] + args, env=env, text=True,

@@ -28,6 +28,7 @@ class TrainConfig:
     seed: int = 0
     data_dir: str | None = None        # None: $MNIST_DATA_DIR or data/
     download: bool = True
+    data_url: str | None = None        # None: the public mirrors
     log_every: int = 100
     eval_every: int = 500
     checkpoint_every: int = 500

@@ -57,6 +57,11 @@ MIRRORS = (
 )
 DOWNLOAD_TIMEOUT_SECS = 30
 
+
+def mirror_list(data_url: str | None) -> tuple[str, ...]:
+    """--data_url as a mirror list, or the public mirrors."""
+    return (data_url.rstrip("/") + "/",) if data_url else MIRRORS
+
 IMAGE_SIZE = 28
 NUM_CLASSES = 10
 _IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions

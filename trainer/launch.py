@@ -10,6 +10,7 @@ first task that failed. Every trainer flag given here is passed on.
 import ctypes
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -57,17 +58,38 @@ SECURITY_NOTICE = (
 
 
 def free_ports(host: str, count: int) -> list[int]:
-    """Ports the OS reports free now (all held open at once: distinct)."""
-    sockets = []
+    """Ports that are free now, below the kernel's ephemeral range.
+
+    A port from the ephemeral range (what binding port 0 returns) can be
+    taken by any outgoing connection, for instance another task's gRPC
+    channel, between our check and the task's own bind; a port below that
+    range can only be taken by another server.
+    """
+    low, _ = _ephemeral_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.shuffle(candidates)
+    ports = []
+    for port in candidates:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind((host if host != "localhost" else "127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            probe.close()
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"no {count} free ports below {low}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host if host != "localhost" else "127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def forwarded_flags() -> list[str]:
@@ -166,7 +188,7 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     logging.info(SECURITY_NOTICE)
     env = dict(os.environ)
     env.pop("TF_CONFIG", None)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env["PYTHONUNBUFFERED"] = "1"
     threads = worker_threads(num_workers)
 

@@ -10,7 +10,10 @@ import signal
 import sys
 import threading
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ INFO quiet
+# TensorFlow's C++ runtime logs a spurious "failed call to cuInit" error on
+# CPU-only machines and much else; its real errors reach us as exceptions.
+# TF_CPP_MIN_LOG_LEVEL=0 shows them all.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -56,6 +59,9 @@ flags.DEFINE_string("data_dir", None,
                     "$MNIST_DATA_DIR, else the project's data/ folder).")
 flags.DEFINE_boolean("download", True,
                      "Download missing MNIST files from a mirror.")
+flags.DEFINE_string("data_url", None,
+                    "Base URL of a mirror with the four MNIST .gz files "
+                    "(default: public mirrors of the original files).")
 
 # --- Logs, evaluation, checkpoints ---
 flags.DEFINE_string("logdir", None,
@@ -100,6 +106,7 @@ def config_from_flags() -> TrainConfig:
         momentum=FLAGS.momentum,
         train_steps=FLAGS.train_steps, epochs=FLAGS.epochs, seed=FLAGS.seed,
         data_dir=FLAGS.data_dir, download=FLAGS.download,
+        data_url=FLAGS.data_url,
         log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
         checkpoint_every=FLAGS.checkpoint_every,
         keep_checkpoints=FLAGS.keep_checkpoints,

@@ -48,7 +48,9 @@ def run(config: TrainConfig, task: Task) -> None:
     if task.is_chief:
         check_logdir_fits_model(config)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
-    mnist = data_lib.load(data_dir, config.download, need_test=task.is_chief)
+    mnist = data_lib.load(data_dir, config.download,
+                          data_lib.mirror_list(config.data_url),
+                          need_test=task.is_chief)
     logging.info("data: %d training and %d test images from %s",
                  len(mnist.train_labels), len(mnist.test_labels), data_dir)
     Worker(config, task, start_server(config, task)).run(mnist)
