@@ -160,7 +160,10 @@ def main(argv) -> int:
               "local_steps": results.get("local_steps"),
               "dropped_gradients": results.get("dropped_gradients"),
               "global_step": results.get("global_step"),
-              "failures": failures}
+              "failures": failures,
+              "rss_mb_by_step": {name: series[::max(1, len(series) // 60)]
+                                 for name, series in
+                                 sampler.samples.items()}}
     (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
     print("| task | RSS at step %d (MB) | peak after (MB) | growth |"
           % FLAGS.warmup_steps)
