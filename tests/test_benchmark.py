@@ -56,3 +56,23 @@ def test_benchmark_reports_every_run_and_column(tmp_path):
         assert (out / "results.png").stat().st_size > 10_000
     else:
         assert "matplotlib is not installed" in result.stdout
+
+
+@pytest.mark.parametrize("make_args, phrase", [
+    (lambda out: ["--batch_size=3", "--workers=1,4"],
+     "--batch_size=3 is smaller than the 4 workers"),
+    (lambda out: ["--workers=1,two"], "--workers=1,two must be"),
+    (lambda out: ["--baselines=single,horovod"], "unknown horovod"),
+    # A used --out holds final checkpoints the runs would resume from.
+    (lambda out: (out.mkdir(), (out / "ps_1w").mkdir(), [])[-1],
+     "already holds a benchmark"),
+])
+def test_benchmark_refuses_bad_settings_before_any_run(tmp_path, make_args,
+                                                       phrase):
+    out = tmp_path / "bench"
+    result = helpers.run(["-m", "trainer.benchmark", f"--out={out}",
+                          *make_args(out)], timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert phrase in result.stdout
+    assert "Traceback" not in result.stdout
+    assert "starting" not in result.stdout  # no run was started

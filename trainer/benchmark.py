@@ -34,7 +34,8 @@ from absl import flags
 from absl import logging
 
 from trainer import launch
-from trainer.errors import RunFailed
+from trainer.config import validate
+from trainer.errors import RunFailed, UserError
 from trainer import main as trainer_main
 
 flags.DEFINE_list("workers", ["1", "2", "4"],
@@ -295,13 +296,42 @@ def _plot(path: pathlib.Path, rows: list[dict]) -> None:
     pyplot.close(figure)
 
 
+def check_settings(out: pathlib.Path) -> list[int]:
+    """Refuses, before any run, what would fail or mislead halfway.
+
+    Returns the worker counts. A used --out is refused: its runs' logdirs
+    hold final checkpoints, so the ps runs would resume them and train
+    nothing.
+    """
+    try:
+        worker_counts = [int(w) for w in FLAGS.workers]
+    except ValueError:
+        raise UserError(f"--workers={','.join(FLAGS.workers)} must be a "
+                        "comma-separated list of worker counts") from None
+    if not worker_counts or min(worker_counts) < 1:
+        raise UserError("--workers needs worker counts of 1 or more")
+    unknown = set(FLAGS.baselines) - {"single", "mwms"}
+    if unknown:
+        raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
+                        " use single, mwms or both")
+    validate(trainer_main.config_from_flags(), max(worker_counts))
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out={out} already holds a benchmark; give a "
+                        "new folder (or leave --out out for a fresh one)")
+    return worker_counts
+
+
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
+    try:
+        worker_counts = check_settings(out)
+    except UserError as e:
+        logging.error("%s", e)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    worker_counts = [int(w) for w in FLAGS.workers]
     train_flags = [f for f in launch.forwarded_flags()
                    if not f.startswith(("--logdir", "--checkpoint_every",
                                         "--intra_op_threads"))]

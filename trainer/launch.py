@@ -243,9 +243,14 @@ def _supervise(tasks: list[Task], exit_grace_secs: float) -> int:
 
 
 def _stop_all(tasks: list[Task]) -> None:
-    """SIGINT, then SIGKILL for whatever is still running after a grace."""
+    """SIGTERM, then SIGKILL for whatever is still running after a grace.
+
+    SIGTERM, not SIGINT: a task still importing TensorFlow dies of it
+    quietly, where SIGINT would print a KeyboardInterrupt traceback from
+    deep inside the import; a running task logs one line and exits.
+    """
     for task in tasks:
-        task.signal(signal.SIGINT)
+        task.signal(signal.SIGTERM)
     deadline = time.monotonic() + _STOP_SIGNAL_GRACE_SECS
     while time.monotonic() < deadline and any(
             t.poll() is None for t in tasks):
