@@ -258,7 +258,13 @@ def test_tasks_start_in_any_order_from_scripts_and_tf_config(tmp_path,
             [sys.executable, "-m", "trainer.main", *flags,
              f"--logdir={tmp_path / 'logs'}"],
             helpers.python_env(TF_CONFIG=tf_config), tmp_path / "chief.log"))
-        time.sleep(6)  # workers are up and waiting for the ps
+        # Start the ps only once both workers say they are waiting for it.
+        deadline = time.monotonic() + 120
+        while not all("waiting for ps 0" in (tmp_path / f"{name}.log")
+                      .read_text() for name in ("worker1", "chief")):
+            assert time.monotonic() < deadline, "workers never waited"
+            assert all(p.poll() is None for p in processes)
+            time.sleep(0.2)
         processes.append(start([str(helpers.REPO / "run_ps.sh"), "0"],
                                helpers.python_env(**hosts),
                                tmp_path / "ps.log"))
@@ -273,7 +279,6 @@ def test_tasks_start_in_any_order_from_scripts_and_tf_config(tmp_path,
     assert statuses == [0, 0, 0], logs
     assert "cluster from TF_CONFIG" in logs["chief"]
     assert "cluster from flags" in logs["worker1"]
-    assert "waiting for ps 0" in logs["chief"] + logs["worker1"]
     assert "worker 1 finished: 30 local steps" in logs["worker1"]
     results = json.loads((tmp_path / "logs" / "results.json").read_text())
     assert results["global_step"] == 30

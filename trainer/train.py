@@ -87,7 +87,7 @@ def wait_for_ps(task: Task, timeout: float) -> None:
     """Waits until every ps task accepts connections, logging progress."""
     start = time.monotonic()
     pending = list(range(task.cluster.num_ps))
-    next_log = start + PROGRESS_LOG_SECS
+    next_log = start  # say at once what we wait for, then every few secs
     while pending:
         for index in list(pending):
             host, port = split_address(task.cluster.ps[index], "--ps_hosts")
