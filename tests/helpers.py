@@ -101,6 +101,38 @@ def run(args: list[str], timeout: float, env: dict | None = None
     return subprocess.CompletedProcess(args, process.returncode, output, "")
 
 
+def interrupt_launch(args: list[str], when: str, timeout: float = 120
+                     ) -> tuple[int, str]:
+    """Runs `python -m trainer.launch args...`, sends it SIGINT (Ctrl-C)
+    once a line of its output contains `when`, and returns its exit status
+    and output. Every wait is bounded; the launcher's group is killed if it
+    outlives the test."""
+    import threading
+    import time
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=python_env(), cwd=REPO, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(when in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            assert process.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        status = process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    reader.join(timeout=10)
+    return status, "".join(lines)
+
+
 def launch(logdir: pathlib.Path, data_dir: pathlib.Path, num_workers: int,
            *flags: str, num_ps: int = 1, timeout: float = 180
            ) -> subprocess.CompletedProcess:
@@ -132,7 +164,16 @@ class ManualCluster:
         return self.dir / f"{name}.{start}.log"
 
     def start(self, job: str, index: int, *extra: str) -> str:
+        """Starts a task; workers get the launcher's thread counts, so
+        their arithmetic (and so their parameters) matches a launched run
+        bit for bit."""
+        from trainer import launch
         name = f"{job}{index}"
+        if job == "worker":
+            extra = tuple(f"--{flag}={value}" for flag, value in
+                          launch.default_worker_threads(
+                              len(self.worker_hosts.split(","))).items()
+                          ) + extra
         self.starts[name] = self.starts.get(name, -1) + 1
         log = open(self.log_path(name), "w")
         self.processes[name] = subprocess.Popen(

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -187,30 +186,10 @@ def test_a_failed_task_stops_the_whole_cluster(tmp_path):
 
 
 def test_ctrl_c_stops_every_task(tmp_path, fake_data):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
-         f"--logdir={tmp_path / 'logs'}", f"--data_dir={fake_data}",
-         "--model=mlp", "--train_steps=100000000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout),
-                              daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any("worker 1 starts" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)[-3000:]
-            assert process.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.2)
-        process.send_signal(signal.SIGINT)
-        status = process.wait(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    reader.join(timeout=10)
-    output = "".join(lines)
+    status, output = helpers.interrupt_launch(
+        ["--num_workers=2", f"--logdir={tmp_path / 'logs'}",
+         f"--data_dir={fake_data}", "--model=mlp",
+         "--train_steps=100000000"], when="worker 1 starts")
     assert status == 130, output[-3000:]
     assert "interrupted: stopping every task" in output
     assert_all_gone(pids_started(output))

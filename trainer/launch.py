@@ -102,22 +102,25 @@ def forwarded_flags() -> list[str]:
     return out
 
 
-def worker_threads(num_workers: int) -> list[str]:
-    """Thread flags that share this machine's cores among the workers.
+def default_worker_threads(num_workers: int) -> dict[str, int]:
+    """Thread counts that share this machine's cores among the workers.
 
     Each worker gets cores / workers threads for its ops and runs one op at
     a time: several TensorFlow processes on two cores otherwise
     oversubscribe them (measured: two cnn workers at 7,546 images/s with
-    two ops at a time each, 8,415 with one). Flags given on the command
-    line win.
+    two ops at a time each, 8,415 with one).
     """
-    out = []
-    if not FLAGS["intra_op_threads"].present:
-        cores = os.cpu_count() or 1
-        out.append(f"--intra_op_threads={max(1, cores // num_workers)}")
-    if not FLAGS["inter_op_threads"].present:
-        out.append("--inter_op_threads=1")
-    return out
+    cores = os.cpu_count() or 1
+    return {"intra_op_threads": max(1, cores // num_workers),
+            "inter_op_threads": 1}
+
+
+def worker_threads(num_workers: int) -> list[str]:
+    """default_worker_threads as flags, except those given on our command
+    line, which win."""
+    return [f"--{name}={value}" for name, value in
+            default_worker_threads(num_workers).items()
+            if not FLAGS[name].present]
 
 
 def _die_with_parent():
