@@ -16,8 +16,8 @@ SHARED_MNIST = REPO.parent / "shared" / "mnist"
 
 def free_ports(count: int) -> list[int]:
     """Loopback ports that are free now (the launcher's choice of them)."""
-    from trainer import launch
-    return launch.free_ports("localhost", count)
+    from trainer import launcher
+    return launcher.free_ports("localhost", count)
 
 
 def real_mnist_dir() -> pathlib.Path | None:
@@ -106,13 +106,19 @@ def interrupt_launch(args: list[str], when: str, timeout: float = 120
     """Runs `python -m trainer.launch args...`, sends it SIGINT (Ctrl-C)
     once a line of its output contains `when`, and returns its exit status
     and output. Every wait is bounded; the launcher's group is killed if it
-    outlives the test."""
+    outlives the test.
+
+    The launcher starts with SIGINT ignored, as a command started from a
+    script's background job (`cmd &`) or under nohup inherits it: Ctrl-C
+    must work however the launcher (or this test run) was started.
+    """
     import threading
     import time
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer.launch", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=python_env(), cwd=REPO, start_new_session=True)
+        env=python_env(), cwd=REPO, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout),
                               daemon=True)
@@ -167,11 +173,11 @@ class ManualCluster:
         """Starts a task; workers get the launcher's thread counts, so
         their arithmetic (and so their parameters) matches a launched run
         bit for bit."""
-        from trainer import launch
+        from trainer import launcher
         name = f"{job}{index}"
         if job == "worker":
             extra = tuple(f"--{flag}={value}" for flag, value in
-                          launch.default_worker_threads(
+                          launcher.default_worker_threads(
                               len(self.worker_hosts.split(","))).items()
                           ) + extra
         self.starts[name] = self.starts.get(name, -1) + 1

@@ -12,7 +12,8 @@ import tensorflow as tf
 
 from tests import helpers
 from trainer import data
-from trainer import graph
+from trainer import batches
+from trainer import replica
 from trainer.errors import UserError
 
 
@@ -183,7 +184,7 @@ def test_gzip_of_downloaded_file_is_what_was_served(tmp_path, mirror):
 @pytest.mark.parametrize("batch, workers", [(64, 1), (64, 2), (64, 3),
                                             (10, 4), (7, 7)])
 def test_shard_bounds_cover_the_batch_once(batch, workers):
-    bounds = data.shard_bounds(batch, workers)
+    bounds = batches.shard_bounds(batch, workers)
     assert len(bounds) == workers
     assert bounds[0][0] == 0 and bounds[-1][1] == batch
     for (_, end), (start, _) in zip(bounds, bounds[1:]):
@@ -193,12 +194,12 @@ def test_shard_bounds_cover_the_batch_once(batch, workers):
 
 
 def test_shard_bounds_unequal_slices():
-    assert data.shard_bounds(64, 3) == [(0, 22), (22, 43), (43, 64)]
+    assert batches.shard_bounds(64, 3) == [(0, 22), (22, 43), (43, 64)]
 
 
 def test_batch_smaller_than_workers_is_rejected():
     with pytest.raises(UserError, match="--batch_size=2 cannot be split"):
-        data.shard_bounds(2, 3)
+        batches.shard_bounds(2, 3)
 
 
 def batches_of(num_workers, steps, n=100, batch=12, seed=3):
@@ -207,9 +208,9 @@ def batches_of(num_workers, steps, n=100, batch=12, seed=3):
         (1, 28, 28), np.uint8)
     labels = (np.arange(n) % 10).astype(np.uint8)
     out = []
-    for bounds in data.shard_bounds(batch, num_workers):
+    for bounds in batches.shard_bounds(batch, num_workers):
         with tf.Graph().as_default() as g:
-            trainset = data.InGraphTrainSet(n, seed, batch, bounds)
+            trainset = batches.InGraphTrainSet(n, seed, batch, bounds)
             step = tf.compat.v1.placeholder(tf.int64, [])
             x, y = trainset.batch(step)
             with tf.compat.v1.Session(graph=g) as session:
@@ -240,10 +241,10 @@ def test_worker_slices_partition_each_global_batch():
 def test_dropout_noise_is_the_same_however_the_batch_is_split():
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
         step = tf.constant(5, tf.int64)
-        whole = session.run(graph.example_uniform(7, step, (0, 13), 6))
-        parts = session.run([graph.example_uniform(7, step, b, 6)
-                             for b in data.shard_bounds(13, 3)])
-        other_step = session.run(graph.example_uniform(
+        whole = session.run(replica.example_uniform(7, step, (0, 13), 6))
+        parts = session.run([replica.example_uniform(7, step, b, 6)
+                             for b in batches.shard_bounds(13, 3)])
+        other_step = session.run(replica.example_uniform(
             7, tf.constant(6, tf.int64), (0, 13), 6))
     np.testing.assert_array_equal(np.concatenate(parts), whole)
     assert whole.shape == (13, 6)

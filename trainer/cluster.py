@@ -171,8 +171,15 @@ def from_tf_config(text: str) -> Task:
             raise UserError(
                 f"{where} has no '{key}' object; it needs both 'cluster' "
                 "and 'task' (see the README's TF_CONFIG section)")
-    jobs = config["cluster"]
-    task = config["task"]
+    cluster, chief_job = _tf_config_cluster(config["cluster"])
+    return _tf_config_task(config["task"], config["cluster"], cluster,
+                           chief_job)
+
+
+def _tf_config_cluster(jobs: dict) -> tuple[Cluster, str]:
+    """TF_CONFIG's 'cluster' -> the cluster (chief first among the
+    workers) and the name its chief job has ("chief" or "master")."""
+    where = "TF_CONFIG"
 
     def addresses(job: str) -> tuple[str, ...]:
         value = jobs.get(job, [])
@@ -198,9 +205,14 @@ def from_tf_config(text: str) -> Task:
     if len(chief) > 1:
         raise UserError(f"{where}: cluster.{chief_job} must list exactly one "
                         f"address, not {len(chief)}")
-    cluster = make_cluster(addresses("ps"), chief + addresses("worker"),
-                           where)
+    return make_cluster(addresses("ps"), chief + addresses("worker"),
+                        where), chief_job
 
+
+def _tf_config_task(task: dict, jobs: dict, cluster: Cluster,
+                    chief_job: str) -> Task:
+    """TF_CONFIG's 'task' -> this task; a chief or master is worker 0."""
+    where = "TF_CONFIG"
     task_type = task.get("type")
     task_index = task.get("index", 0)
     if not isinstance(task_index, int) or isinstance(task_index, bool):
@@ -217,7 +229,7 @@ def from_tf_config(text: str) -> Task:
             raise UserError(f"{where}: the {task_type} task has index 0, "
                             f"not {task_index}")
         return make_task(cluster, WORKER, 0, where)
-    if task_type == WORKER and chief:
+    if task_type == WORKER and jobs.get(chief_job):
         worker_count = len(cluster.workers) - 1
         if not 0 <= task_index < worker_count:
             raise UserError(

@@ -5,9 +5,9 @@ import math
 
 from trainer.errors import UserError
 
-MODELS = ("softmax", "mlp", "cnn")     # builders in trainer.model
-OPTIMIZERS = ("sgd", "momentum", "adam")
-LR_SCHEDULES = ("cosine", "constant")
+MODELS = ("softmax", "mlp", "cnn")        # builders in trainer/model.py
+OPTIMIZERS = ("sgd", "momentum", "adam")  # rules in trainer/optim.py
+LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/optim.py
 DEFAULT_EPOCHS = 12
 
 
@@ -38,17 +38,17 @@ class TrainConfig:
     inter_op_threads: int = 0
     startup_timeout_secs: float = 120.0
     worker_timeout_secs: float = 120.0
+    trace_steps: str | None = None     # "A:B": trace global steps [A, B)
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
 
-    def learning_rate_at(self, step: int, train_steps: int) -> float:
-        """The rate the update of global step `step` uses (graph.py builds
-        the same formula in TensorFlow)."""
-        if self.lr_schedule == "constant":
-            return self.learning_rate
-        progress = min(step / train_steps, 1.0)
-        return self.learning_rate * 0.5 * (1.0 + math.cos(math.pi * progress))
+    def trace_range(self) -> tuple[int, int] | None:
+        """--trace_steps=A:B as (A, B), or None; see validate()."""
+        if not self.trace_steps:
+            return None
+        first, end = (int(v) for v in self.trace_steps.split(":"))
+        return first, end
 
     def resolved_train_steps(self, num_examples: int) -> int:
         """--train_steps, or --epochs (default 12) of full global batches."""
@@ -65,6 +65,16 @@ def _positive(name: str, value, kind=int):
             kind is int and int(value) != value):
         noun = "a positive integer" if kind is int else "a positive number"
         raise UserError(f"--{name}={value} must be {noun}")
+
+
+def _check_trace_steps(text: str | None) -> None:
+    if not text:
+        return
+    parts = text.split(":")
+    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts)
+            or int(parts[0]) >= int(parts[1])):
+        raise UserError(f"--trace_steps={text} must be FIRST:END, global "
+                        "steps with FIRST < END, e.g. 200:205")
 
 
 def validate(config: TrainConfig, num_workers: int) -> None:
@@ -90,6 +100,7 @@ def validate(config: TrainConfig, num_workers: int) -> None:
     for name in ("learning_rate", "epochs", "startup_timeout_secs",
                  "worker_timeout_secs"):
         _positive(name, getattr(config, name), float)
+    _check_trace_steps(config.trace_steps)
     if not 0 <= config.momentum < 1:
         raise UserError(f"--momentum={config.momentum} must be in [0, 1)")
     if not config.logdir:

@@ -10,12 +10,17 @@ per second and time-to-accuracy are measured on it.
 """
 
 import dataclasses
+import json
+import os
+import pathlib
+import resource
 import time
 from typing import Callable
 
 from absl import logging
 import tensorflow as tf
 
+from trainer import optim
 from trainer.config import TrainConfig
 
 
@@ -37,6 +42,33 @@ class Outcome:
             "mean_step_time_ms": (1000.0 * self.train_secs / self.timed_steps
                                   if self.timed_steps else None),
         }
+
+
+def results_fields(outcome: Outcome, config: TrainConfig,
+                   train_steps: int) -> dict:
+    """What every trainer's results file holds: final accuracy and loss,
+    steps, times, images/s, evaluations, peak memory and the flags."""
+    final = ({"final_test_accuracy": outcome.history[-1]["accuracy"],
+              "final_test_loss": outcome.history[-1]["loss"]}
+             if outcome.history else {})
+    return {**final, "train_steps": train_steps,
+            **outcome.summary(config.batch_size),
+            "eval_history": outcome.history, "peak_rss_mb": peak_rss_mb(),
+            "flags": dataclasses.asdict(config)}
+
+
+def write_json(path: pathlib.Path, value: dict) -> None:
+    """Writes `value` to `path` whole or not at all (a temporary file,
+    then a rename)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 @dataclasses.dataclass
@@ -133,7 +165,8 @@ def _log(config, writer, step, train_steps, interval, dropped) -> None:
     write_scalars(writer, step, {
         "train/loss": loss,
         "train/accuracy": accuracy,
-        "train/learning_rate": config.learning_rate_at(step - 1, train_steps),
+        "train/learning_rate": optim.learning_rate_at(config, step - 1,
+                                                     train_steps),
         "perf/images_per_sec": images_per_sec,
         "perf/step_time_ms": step_ms,
         "sync/dropped_gradients": dropped,

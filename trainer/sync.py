@@ -34,11 +34,10 @@ averages two of its gradients.
 
 import tensorflow as tf
 
+from trainer.replica import NUM_STATS
+
 # Token that tells workers the chief has stopped the run (see stop_reason).
 STOP = -1
-# Number of statistics a worker reports per step: examples, loss sum and
-# correct predictions over its slice.
-NUM_STATS = 3
 _QUEUE_CAPACITY = 1 << 30
 TRANSIENT = "sync_transient_variables"
 

@@ -1,0 +1,1 @@
+"""Benchmarks, baselines and the soak: tools around the trainer."""

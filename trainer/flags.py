@@ -1,0 +1,163 @@
+"""Every trainer flag, and their conversion to the run's settings.
+
+The entry points (main, launch, benchmark, soak) import this module; none
+imports another entry point. Flags only describe the run: the library
+(trainer.train and below) takes a TrainConfig and a Task and never reads
+FLAGS.
+"""
+
+import os
+
+from absl import flags
+from absl import logging
+
+from trainer import cluster as cluster_lib
+from trainer import slurm
+from trainer.config import LR_SCHEDULES, MODELS, OPTIMIZERS, TrainConfig
+
+# Flags the launcher sets for each task itself.
+_PER_TASK_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts",
+                   "cluster", "slurm_base_port")
+_LOCAL_CLUSTER_FLAGS = ("num_workers",)
+
+# --- Cluster (or set TF_CONFIG; these flags win over it) ---
+flags.DEFINE_enum("job_name", None, ["ps", "worker"],
+                  "This task's job. Worker 0 is the chief.")
+flags.DEFINE_integer("task_index", None, "This task's index in its job.")
+flags.DEFINE_string("ps_hosts", None,
+                    "Comma-separated host:port of the ps tasks.")
+flags.DEFINE_string("worker_hosts", None,
+                    "Comma-separated host:port of the workers, chief first.")
+flags.DEFINE_enum("cluster", "flags", ["flags", "slurm"],
+                  "Where the cluster and this task's role come from. flags: "
+                  "the cluster flags above, else TF_CONFIG; slurm: the srun "
+                  "job step (SLURM_PROCID, the step's node list).")
+flags.DEFINE_integer("num_ps", 1, "Number of ps tasks: of a local cluster "
+                     "the launcher starts, or with --cluster=slurm the first "
+                     "tasks of the job step.", lower_bound=1)
+flags.DEFINE_integer("slurm_base_port", slurm.DEFAULT_BASE_PORT,
+                     "With --cluster=slurm: the port of each node's first "
+                     "task; further tasks on a node use the next ports.",
+                     lower_bound=1, upper_bound=65535)
+
+# --- Model and optimisation ---
+flags.DEFINE_enum("model", "cnn", list(MODELS), "Model to train.")
+flags.DEFINE_integer("hidden_units", 128, "Width of the mlp's hidden layer.")
+flags.DEFINE_integer("batch_size", 128,
+                     "Global batch: images per step over all workers.")
+flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Update rule.")
+flags.DEFINE_float("learning_rate", 3e-3, "Initial learning rate.")
+flags.DEFINE_enum("lr_schedule", "cosine", list(LR_SCHEDULES),
+                  "cosine: decay to 0 over the run; constant: no decay.")
+flags.DEFINE_float("momentum", 0.9, "Momentum of --optimizer=momentum.")
+flags.DEFINE_integer("train_steps", None,
+                     "Global steps to train (default: --epochs).")
+flags.DEFINE_float("epochs", None,
+                   "Epochs to train if --train_steps is not given "
+                   "(default 12).")
+flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
+flags.DEFINE_integer("backup_workers", 0,
+                     "Workers beyond the ones averaged per step; each step "
+                     "uses the first N - b gradients and drops late ones.")
+
+# --- Data ---
+flags.DEFINE_string("data_dir", None,
+                    "Folder with the four MNIST .gz files (default: "
+                    "$MNIST_DATA_DIR, else the project's data/ folder).")
+flags.DEFINE_boolean("download", True,
+                     "Download missing MNIST files from a mirror.")
+flags.DEFINE_string("data_url", None,
+                    "Base URL of a mirror with the four MNIST .gz files "
+                    "(default: public mirrors of the original files).")
+
+# --- Logs, evaluation, checkpoints ---
+flags.DEFINE_string("logdir", None,
+                    "Checkpoints, TensorBoard logs and results.json "
+                    "(default: runs/<model>). The chief resumes from the "
+                    "latest checkpoint here.")
+flags.DEFINE_integer("log_every", 100, "Log and summarize every N steps.")
+flags.DEFINE_integer("eval_every", 500,
+                     "Evaluate on the test set every N steps.")
+flags.DEFINE_integer("checkpoint_every", 500, "Checkpoint every N steps.")
+flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints to keep.")
+
+# --- Runtime ---
+flags.DEFINE_integer("intra_op_threads", 0,
+                     "Threads per op in this process (0: one per core). "
+                     "The local launcher gives each worker its share of "
+                     "the cores.")
+flags.DEFINE_integer("inter_op_threads", 0,
+                     "Ops run at once in this process (0: one per core).")
+flags.DEFINE_float("startup_timeout_secs", 120,
+                   "How long to wait for the ps tasks and the chief, at "
+                   "start and after losing a ps.")
+flags.DEFINE_float("worker_timeout_secs", 120,
+                   "How long the chief waits for a missing worker's "
+                   "gradient before it checkpoints and stops the run.")
+flags.DEFINE_string("trace_steps", None,
+                    "FIRST:END: record global steps [FIRST, END) with "
+                    "TensorFlow's full trace on every worker; writes a "
+                    "Chrome trace per worker and a per-step time breakdown "
+                    "into --logdir (and results.json).")
+flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
+
+FLAGS = flags.FLAGS
+
+
+def trainer_flag_names() -> list[str]:
+    """The trainer's flags (the local launcher passes them on to each
+    task)."""
+    return [f.name for f in FLAGS.get_flags_for_module(__name__)
+            if f.name not in _LOCAL_CLUSTER_FLAGS]
+
+
+def forwarded_flags(exclude: tuple[str, ...] = ()) -> list[str]:
+    """The trainer flags given on this command line, as --name=value, to
+    pass on to the tasks a launcher starts; not the per-task ones, the
+    cluster shape, nor `exclude`."""
+    skip = set(_PER_TASK_FLAGS) | {"num_ps"} | set(exclude)
+    return [FLAGS[name].serialize() for name in trainer_flag_names()
+            if name not in skip and FLAGS[name].present]
+
+
+def define_local_cluster_flags(num_workers: int = 2) -> None:
+    """Flags of the commands that start a cluster on this machine
+    (launch, soak): --num_workers."""
+    flags.DEFINE_integer("num_workers", num_workers, "Number of workers "
+                         "(the first is the chief).", lower_bound=1)
+
+
+def config_from_flags() -> TrainConfig:
+    return TrainConfig(
+        logdir=FLAGS.logdir or os.path.join("runs", FLAGS.model),
+        model=FLAGS.model, hidden_units=FLAGS.hidden_units,
+        batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
+        learning_rate=FLAGS.learning_rate, lr_schedule=FLAGS.lr_schedule,
+        momentum=FLAGS.momentum,
+        train_steps=FLAGS.train_steps, epochs=FLAGS.epochs, seed=FLAGS.seed,
+        data_dir=FLAGS.data_dir, download=FLAGS.download,
+        data_url=FLAGS.data_url,
+        log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
+        checkpoint_every=FLAGS.checkpoint_every,
+        keep_checkpoints=FLAGS.keep_checkpoints,
+        backup_workers=FLAGS.backup_workers,
+        intra_op_threads=FLAGS.intra_op_threads,
+        inter_op_threads=FLAGS.inter_op_threads,
+        startup_timeout_secs=FLAGS.startup_timeout_secs,
+        worker_timeout_secs=FLAGS.worker_timeout_secs,
+        trace_steps=FLAGS.trace_steps)
+
+
+def task_from_flags() -> cluster_lib.Task:
+    """This task and its cluster, from Slurm, the flags or TF_CONFIG."""
+    if FLAGS.cluster == "slurm":
+        task = slurm.task_from_slurm(os.environ, FLAGS.num_ps,
+                                     FLAGS.slurm_base_port)
+    else:
+        task = cluster_lib.resolve(
+            FLAGS.job_name, FLAGS.task_index, FLAGS.ps_hosts,
+            FLAGS.worker_hosts, os.environ.get("TF_CONFIG"))
+    logging.info(
+        "cluster from %s: %d ps, %d worker(s); this task is %s", task.source,
+        task.cluster.num_ps, task.cluster.num_workers, task.describe())
+    return task
