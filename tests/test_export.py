@@ -186,9 +186,8 @@ def write_trainer_checkpoint(prefix: pathlib.Path, values: dict) -> str:
         slots = {name: (lambda v, name=name: optimizer.get_slot(v, name))
                  for name in optimizer.get_slot_names()}
         session.run(tf.compat.v1.global_variables_initializer())
-        session.run([variable.assign(np.concatenate(
-            [values[s.name].ravel() for s in shard]))
-            for variable, shard in zip(flat.variables, flat.shards)])
+        session.run([variable.assign(vector) for variable, vector in
+                     zip(flat.variables, flat.pack(values))])
         saver = tf.compat.v1.train.Saver(flat.saveables(slots) + [step])
         return saver.save(session, str(prefix), global_step=7)
 

@@ -40,7 +40,7 @@ def _ps_strategy(num_ps: int):
     """replica_device_setter strategy: shard variables by their ps index.
 
     `params/shard_<i>` goes to ps task i (the layout params.plan_shards
-    balanced by size); anything else the setter places (optimizer slots are
+    cut by bytes); anything else the setter places (optimizer slots are
     colocated with their shard) goes to ps 0.
     """
 
