@@ -8,6 +8,7 @@ from trainer.errors import UserError
 MODELS = ("softmax", "mlp", "cnn")        # builders in trainer/model.py
 OPTIMIZERS = ("sgd", "momentum", "adam")  # rules in trainer/optim.py
 LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/optim.py
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/wire.py
 DEFAULT_EPOCHS = 12
 
 
@@ -39,6 +40,7 @@ class TrainConfig:
     startup_timeout_secs: float = 120.0
     worker_timeout_secs: float = 120.0
     trace_steps: str | None = None     # "A:B": trace global steps [A, B)
+    wire_dtype: str = "float32"        # parameters and gradients on links
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
@@ -101,6 +103,9 @@ def validate(config: TrainConfig, num_workers: int) -> None:
                  "worker_timeout_secs"):
         _positive(name, getattr(config, name), float)
     _check_trace_steps(config.trace_steps)
+    if config.wire_dtype not in WIRE_DTYPES:
+        raise UserError(f"--wire_dtype={config.wire_dtype} is unknown; "
+                        f"choose one of {', '.join(WIRE_DTYPES)}")
     if not 0 <= config.momentum < 1:
         raise UserError(f"--momentum={config.momentum} must be in [0, 1)")
     if not config.logdir:

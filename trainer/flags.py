@@ -13,7 +13,8 @@ from absl import logging
 
 from trainer import cluster as cluster_lib
 from trainer import slurm
-from trainer.config import LR_SCHEDULES, MODELS, OPTIMIZERS, TrainConfig
+from trainer.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES,
+                            TrainConfig)
 
 # Flags the launcher sets for each task itself.
 _PER_TASK_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts",
@@ -55,6 +56,11 @@ flags.DEFINE_integer("train_steps", None,
 flags.DEFINE_float("epochs", None,
                    "Epochs to train if --train_steps is not given "
                    "(default 12).")
+flags.DEFINE_enum("wire_dtype", "float32", list(WIRE_DTYPES),
+                  "Type of parameters and gradients on the links between "
+                  "workers and ps tasks; the ps keeps, sums and applies in "
+                  "float32. bfloat16 halves the bytes (float16 may overflow "
+                  "on gradient sums).")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "
@@ -145,7 +151,7 @@ def config_from_flags() -> TrainConfig:
         inter_op_threads=FLAGS.inter_op_threads,
         startup_timeout_secs=FLAGS.startup_timeout_secs,
         worker_timeout_secs=FLAGS.worker_timeout_secs,
-        trace_steps=FLAGS.trace_steps)
+        trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype)
 
 
 def task_from_flags() -> cluster_lib.Task:

@@ -30,25 +30,31 @@ The protocol for global step `t`, with N workers of which R are aggregated
 A worker receives token t + 1 only after step t is applied, so it never
 runs ahead; it writes only its own row and is admitted once, so no step
 averages two of its gradients.
+
+The wire dtype (`SyncState(..., wire_dtype=)`, see trainer/wire.py) is the
+format of the parameters (step 1's read) and the gradient sums (step 2's
+write) while they cross between a ps and a worker: float32 by default, or
+bfloat16 to halve the bytes when the links' bandwidth bounds the step. The
+ps rounds its shard to the wire dtype before sending it and turns the
+gradient rows back into float32 on arrival; the worker does the opposite.
+Variables, sums, means and the update stay float32 on the ps, and the step
+and statistics cross bit-exact. The workers' rounding of the gradients is
+the only approximation: the update is the float32 mean of the
+wire-rounded gradient sums, computed on wire-rounded parameters.
 """
 
 import tensorflow as tf
 
+from trainer import wire
 from trainer.replica import NUM_STATS
 
 # Token that tells workers the chief has stopped the run (see stop_reason).
 STOP = -1
+# Statistics a worker reports per step (replica.NUM_STATS): examples, loss
+# sum and correct predictions over its slice.
+
 _QUEUE_CAPACITY = 1 << 30
 TRANSIENT = "sync_transient_variables"
-
-
-def _int64_to_floats(value: tf.Tensor) -> tf.Tensor:
-    """int64 scalar -> float32 [2] with the same bits (rides with floats)."""
-    return tf.bitcast(tf.cast(value, tf.int64), tf.float32)
-
-
-def _floats_to_int64(bits: tf.Tensor) -> tf.Tensor:
-    return tf.bitcast(bits, tf.int64)
 
 
 def _variable(name, shape, dtype, initializer, transient):
@@ -96,7 +102,7 @@ class SyncState:
 
     def __init__(self, num_workers: int, replicas_to_aggregate: int,
                  shard_sizes: list[int], shard_devices: list[str],
-                 fingerprint: str):
+                 fingerprint: str, wire_dtype=tf.float32):
         """
         Args:
           num_workers: N, every worker that computes gradients.
@@ -106,7 +112,11 @@ class SyncState:
             device that also holds the step, the queues and the statistics.
           fingerprint: text that describes the cluster and the run; every
             worker compares its own with the chief's before training.
+          wire_dtype: tf.float32, tf.bfloat16 or tf.float16 (or the name):
+            the format of parameters and gradients between ps and workers
+            (trainer/wire.py). Raises UserError for any other.
         """
+        self.wire_dtype = wire.wire_dtype(wire_dtype)
         self.num_workers = num_workers
         self.replicas = replicas_to_aggregate
         self.shard_sizes = shard_sizes
@@ -156,24 +166,34 @@ class SyncState:
 
         `step` (int64, on ps 0) travels inside shard 0's tensor, so the
         worker gets the parameters and the step number in one transfer.
-        Returns the step and the shard values as tensors on the current
-        (worker) device.
+        Each ps rounds its shard to the wire dtype before it crosses; the
+        step's 64 bits ride as 2 (float32) or 4 (16-bit) wire elements, so
+        it arrives exact. Returns the step (int64 []) and the shard values
+        (float32 [n_s] each) as tensors on the current (worker) device.
         """
+        dtype = self.wire_dtype
         with tf.device(self.shard_devices[0]), \
                 tf.control_dependencies([step]):
-            packed = tf.concat([shard_variables[0].read_value(),
-                                _int64_to_floats(step)], axis=0)
-        values = []
+            packed = tf.concat(
+                [wire.to_wire(shard_variables[0].read_value(), dtype),
+                 wire.bits_to_wire(tf.cast(step, tf.int64), dtype)], axis=0)
+        sent = []
         for variable, device in zip(shard_variables[1:],
                                     self.shard_devices[1:]):
             with tf.device(device), tf.control_dependencies([step]):
-                values.append(variable.read_value())
-        value0, step_bits = _unpack(packed, [self.shard_sizes[0], 2])
-        return _floats_to_int64(step_bits), [value0] + values
+                sent.append(wire.to_wire(variable.read_value(), dtype))
+        value0, step_bits = _unpack(
+            packed, [self.shard_sizes[0], wire.exact_size(tf.int64, 1, dtype)])
+        values = [wire.from_wire(v) for v in [value0] + sent]
+        return wire.bits_from_wire(step_bits, tf.int64, []), values
 
     def push(self, worker: int, step: tf.Tensor, shard_grads: list,
              stats: tf.Tensor) -> tf.Operation:
         """Writes worker's gradient sums and stats, then announces arrival.
+
+        The gradients are rounded to the wire dtype here (on the worker)
+        and turned back into float32 on their ps; the stats and the step
+        ride bit-exact with shard 0's gradient.
 
         Args:
           worker: this worker's index k.
@@ -182,18 +202,26 @@ class SyncState:
             examples of the per-example loss gradient.
           stats: float32 [3], (examples, loss sum, correct predictions).
         """
-        packed = tf.concat([shard_grads[0], stats, _int64_to_floats(step)],
+        dtype = self.wire_dtype
+        sent = [wire.to_wire(grads, dtype) for grads in shard_grads]
+        packed = tf.concat([sent[0], wire.bits_to_wire(stats, dtype),
+                            wire.bits_to_wire(tf.cast(step, tf.int64), dtype)],
                            axis=0)
         row = tf.constant([worker])
         with tf.device(self.shard_devices[0]):
-            grad0, stats_ps, step_bits = _unpack(
-                packed, [self.shard_sizes[0], NUM_STATS, 2])
-            writes = [_write_row(self.grads[0], row, grad0),
+            grad0, stats_bits, step_bits = _unpack(packed, [
+                self.shard_sizes[0],
+                wire.exact_size(tf.float32, NUM_STATS, dtype),
+                wire.exact_size(tf.int64, 1, dtype)])
+            stats_ps = wire.bits_from_wire(stats_bits, tf.float32,
+                                           [NUM_STATS])
+            writes = [_write_row(self.grads[0], row, wire.from_wire(grad0)),
                       _write_row(self.stats, row, stats_ps)]
-            step_ps = _floats_to_int64(step_bits)
+            step_ps = wire.bits_from_wire(step_bits, tf.int64, [])
         for s in range(1, len(self.grads)):
             with tf.device(self.shard_devices[s]):
-                writes.append(_write_row(self.grads[s], row, shard_grads[s]))
+                writes.append(_write_row(self.grads[s], row,
+                                         wire.from_wire(sent[s])))
         with tf.device(self.shard_devices[0]), \
                 tf.control_dependencies(writes):
             return self.arrivals.enqueue((tf.constant(worker), step_ps))

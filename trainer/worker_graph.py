@@ -37,7 +37,7 @@ def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
             f"model={config.model} hidden_units={config.hidden_units} "
             f"batch_size={config.batch_size} seed={config.seed} "
             f"backup_workers={config.backup_workers} "
-            f"train_steps={train_steps}")
+            f"wire_dtype={config.wire_dtype} train_steps={train_steps}")
 
 
 @dataclasses.dataclass
@@ -104,7 +104,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 cluster.num_workers,
                 config.replicas_to_aggregate(cluster.num_workers),
                 flat.sizes, [devices.ps_device(i) for i in flat.ps_indices],
-                fingerprint(config, task, train_steps))
+                fingerprint(config, task, train_steps),
+                wire_dtype=config.wire_dtype)
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
