@@ -130,10 +130,10 @@ class WorkerRole:
         loop = self.callable(self.g.loop_outputs, feeds)
         if self.config.trace_range() is None:
             return loop
-        traced = make_callable(self.session, self.g.loop_outputs, feeds,
-                               trace=True)
-        return tracing.split_loop(loop, traced, self.config.trace_range(),
-                                  self.traces)
+        return tracing.split_loop(
+            loop, tracing.traced_run(self.session, self.g.loop_outputs,
+                                     feeds),
+            self.config.trace_range(), self.traces)
 
     def watchdog(self, timeout_secs: float,
                  on_timeout) -> watchdog_lib.Watchdog:

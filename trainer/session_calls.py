@@ -15,17 +15,13 @@ def error_summary(error: Exception) -> str:
     return type(error).__name__
 
 
-def make_callable(session, fetches: dict, feeds=(), trace: bool = False):
+def make_callable(session, fetches: dict, feeds=()):
     """A C++ callable for `fetches` (no per-call Python feed handling).
 
     Feeds are int64 scalars given positionally; the result is a dict like
-    `fetches`. With `trace`, every call records TensorFlow's full trace
-    (step stats of every device the run touched) into the RunMetadata
-    given as `run_metadata=`.
+    `fetches`.
     """
     options = config_pb2.CallableOptions()
-    if trace:
-        options.run_options.trace_level = config_pb2.RunOptions.FULL_TRACE
     for tensor in feeds:
         options.feed.append(tensor.name)
     names = {key: tensor.name for key, tensor in fetches.items()}
@@ -33,9 +29,8 @@ def make_callable(session, fetches: dict, feeds=(), trace: bool = False):
         options.fetch.append(name)
     call = session._make_callable_from_options(options)
 
-    def run(*args, run_metadata=None):
-        values = call(*[np.asarray(a, np.int64) for a in args],
-                      run_metadata=run_metadata)
+    def run(*args):
+        values = call(*[np.asarray(a, np.int64) for a in args])
         return dict(zip(names, values))
 
     return run
