@@ -8,6 +8,9 @@ import math
 import pytest
 
 from tests import helpers
+from tests.test_dashboard import (get_json, poll, session_groups,
+                                  tensorboard)
+from trainer.bench import dashboard
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
@@ -56,6 +59,44 @@ def test_benchmark_reports_every_run_and_column(tmp_path):
         assert (out / "results.png").stat().st_size > 10_000
     else:
         assert "matplotlib is not installed" in result.stdout
+    check_tensorboard_shows(out, tmp_path, report["rows"])
+
+
+def check_tensorboard_shows(out, work, rows) -> None:
+    """A real TensorBoard over the benchmark's output lists every run, its
+    scalars and the HParams experiment with every run's metrics."""
+    metric_tags = {dashboard.metric_tag(m) for m in dashboard.METRICS}
+    with tensorboard(out, work) as (process, base):
+        runs = poll(lambda: get_json(base + "/data/runs"),
+                    lambda r: set(RUNS) <= set(r), "runs")
+        groups = poll(lambda: session_groups(base),
+                      lambda g: sum(len(x.get("metricValues", []))
+                                    for x in g.get("sessionGroups", []))
+                      == len(RUNS) * len(metric_tags),
+                      "every run's metrics in the HParams view")
+        tags = get_json(base + "/data/plugin/scalars/tags")
+        experiment = get_json(base + "/data/plugin/hparams/experiment",
+                              {"experimentName": ""})
+    assert process.returncode == 0
+    assert set(RUNS) <= set(runs)
+    for run in RUNS:
+        assert metric_tags <= set(tags[run]), (run, tags[run])
+        assert "eval/accuracy" in tags[run], (run, tags[run])
+    assert {i["name"] for i in experiment["hparamInfos"]} >= {
+        "kind", "workers", "ps_tasks", "model", "batch"}
+    assert {i["name"]["tag"] for i in experiment["metricInfos"]} == \
+        metric_tags
+    by_name = {g["name"]: g for g in groups["sessionGroups"]}
+    assert set(by_name) == set(RUNS)
+    for row in rows:
+        group = by_name[row["run"]]
+        assert group["hparams"]["kind"] == row["kind"]
+        assert group["hparams"]["workers"] == row["workers"]
+        values = {v["name"]["tag"]: v["value"] for v in group["metricValues"]}
+        assert values[dashboard.metric_tag("images_per_sec")] == \
+            pytest.approx(row["images_per_sec"], rel=1e-5)
+        assert values[dashboard.metric_tag("final_test_accuracy")] == \
+            pytest.approx(row["test_accuracy"], rel=1e-5)
 
 
 @pytest.mark.parametrize("make_args, phrase", [

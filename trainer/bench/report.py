@@ -11,13 +11,22 @@ COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "train_time_secs", "images_per_sec", "efficiency",
            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb_max",
            "peak_rss_mb")
+# Columns only some benchmarks have: repeats, simulated hosts, traces.
+EXTRA_COLUMNS = ("images_per_sec_repeats", "host_cpu", "ps_cpu", "link_rate",
+                 "speedup", "scaling_efficiency", "ps_link_bytes_per_step",
+                 "ps_link_bound_ms", "step_over_bound", "traced_step_ms",
+                 "step_compute_ms", "step_pull_params_ms",
+                 "step_push_grads_ms", "step_wait_others_ms",
+                 "step_aggregate_apply_ms", "step_other_ms")
 
 
 def write_outputs(out: pathlib.Path, rows: list[dict],
                   target_accuracy: float) -> str:
     """Writes results.csv, results.json and results.png; returns Markdown."""
+    columns = list(COLUMNS) + [c for c in EXTRA_COLUMNS
+                               if any(c in row for row in rows)]
     with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, columns)
         writer.writeheader()
         writer.writerows(rows)
     (out / "results.json").write_text(json.dumps(
@@ -35,26 +44,52 @@ def _cell(value) -> str:
     return str(value)
 
 
+def _percent(value) -> str:
+    return f"{100 * value:.2f}%"
+
+
+def _ratio(value) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _table_columns(target_accuracy: float) -> list[tuple]:
+    """(header, key, format) of every column the table may show."""
+    return [
+        ("run", "run", _cell), ("workers", "workers", _cell),
+        ("test acc", "test_accuracy", _percent),
+        ("wall s", "wall_time_secs", _cell),
+        ("train s", "train_time_secs", _cell),
+        ("images/s", "images_per_sec", _cell),
+        ("repeats images/s", "images_per_sec_repeats", _cell),
+        ("E", "efficiency", _ratio), ("S(N)", "speedup", _ratio),
+        ("S(N)/N", "scaling_efficiency", _ratio),
+        ("step ms", "mean_step_time_ms", _cell),
+        ("ps link MB/step", "ps_link_bytes_per_step",
+         lambda v: "" if v is None else f"{v / 1e6:.3g}"),
+        ("bound ms", "ps_link_bound_ms", _cell),
+        ("step/bound", "step_over_bound", _ratio),
+        (f"s to {100 * target_accuracy:g}%", "time_to_target_secs", _cell),
+        ("peak RSS MB", "peak_rss_mb", _cell),
+        ("traced step ms", "traced_step_ms", _cell),
+        ("compute", "step_compute_ms", _cell),
+        ("pull", "step_pull_params_ms", _cell),
+        ("push", "step_push_grads_ms", _cell),
+        ("wait", "step_wait_others_ms", _cell),
+        ("apply", "step_aggregate_apply_ms", _cell),
+        ("other", "step_other_ms", _cell),
+    ]
+
+
 def markdown_table(rows: list[dict], target_accuracy: float) -> str:
-    headers = ("run", "workers", "test acc", "wall s", "train s",
-               "images/s", "E", "step ms",
-               f"s to {100 * target_accuracy:g}%", "peak RSS MB")
-    keys = ("run", "workers", "test_accuracy", "wall_time_secs",
-            "train_time_secs", "images_per_sec", "efficiency",
-            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb")
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "---|" * len(headers)]
+    """Rows as a Markdown table; a column only some rows have is shown
+    where any row has it, empty for the others."""
+    shown = [(h, k, f) for h, k, f in _table_columns(target_accuracy)
+             if k in COLUMNS or any(k in row for row in rows)]
+    lines = ["| " + " | ".join(h for h, _, _ in shown) + " |",
+             "|" + "---|" * len(shown)]
     for row in rows:
-        cells = []
-        for key in keys:
-            value = row[key]
-            if key == "test_accuracy":
-                cells.append(f"{100 * value:.2f}%")
-            elif key == "efficiency":
-                cells.append(f"{value:.2f}")
-            else:
-                cells.append(_cell(value))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(
+            f(row[k]) if k in row else "" for _, k, f in shown) + " |")
     return "\n".join(lines)
 
 

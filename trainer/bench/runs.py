@@ -1,0 +1,190 @@
+"""The benchmark's runs: a local ps cluster, the single-process baseline
+and MultiWorkerMirroredStrategy, each in processes of its own, and the
+figures each run reports (one table row)."""
+
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+from absl import logging
+
+from trainer import launcher
+from trainer.config import TrainConfig
+from trainer.errors import RunFailed
+
+_PROGRESS = re.compile(r"step (\d+)/(\d+) .* ETA (\d+:\d\d:\d\d)")
+# Checkpoints are not what the benchmark measures: only the final one.
+NO_CHECKPOINTS = 1 << 40
+BREAKDOWN_PARTS = ("compute", "pull_params", "push_grads", "wait_others",
+                   "aggregate_apply", "other")
+
+
+@dataclasses.dataclass
+class Settings:
+    """What every run of one benchmark shares."""
+
+    out: pathlib.Path
+    config: TrainConfig      # the trainer flags, as every run uses them
+    train_flags: list        # the same, as flags for the launcher
+    num_ps: int
+    timeout: float           # seconds before a run is given up
+    sim: object = None       # simulated.HostSettings, or None: loopback
+
+
+def _breakdown_columns(breakdown: dict | None) -> dict:
+    """A traced run's mean step breakdown (trainer/timeline.py) as columns
+    step_ms and step_<part>_ms; none for an untraced run."""
+    if not breakdown:
+        return {}
+    return {"traced_step_ms": breakdown["step_ms"],
+            **{f"step_{part}_ms": breakdown["ms"][part]
+               for part in BREAKDOWN_PARTS}}
+
+
+@dataclasses.dataclass
+class Run:
+    """One configuration's figures."""
+
+    name: str
+    kind: str            # ps | single | mwms
+    workers: int
+    results: dict        # the chief's results JSON
+    peak_rss_mb: dict    # process name -> MiB
+    ps_tasks: int = 0
+    config_key: str = ""  # runs with the same key repeat one configuration
+
+    def row(self, target: float, reference_images_per_sec: float) -> dict:
+        reached = [e["train_secs"] for e in self.results["eval_history"]
+                   if e["accuracy"] >= target]
+        images_per_sec = self.results["images_per_sec"]
+        return {
+            "run": self.name,
+            "kind": self.kind,
+            "workers": self.workers,
+            "test_accuracy": self.results["final_test_accuracy"],
+            "wall_time_secs": self.results["wall_time_secs"],
+            "train_time_secs": self.results["train_time_secs"],
+            "images_per_sec": images_per_sec,
+            "efficiency": images_per_sec / reference_images_per_sec,
+            "mean_step_time_ms": self.results["mean_step_time_ms"],
+            "time_to_target_secs": reached[0] if reached else None,
+            "peak_rss_mb_max": max(self.peak_rss_mb.values()),
+            "peak_rss_mb": ";".join(f"{k}:{v:.0f}" for k, v in
+                                    self.peak_rss_mb.items()),
+            **_breakdown_columns(self.results.get("step_breakdown")),
+        }
+
+
+def stream(processes: list, label: str, timeout: float) -> list[int]:
+    """Waits for processes, logging a progress line per log interval of
+    the first (the chief); kills them all on timeout. On failure, logs the
+    end of the chief's output."""
+    tail = collections.deque(maxlen=30)
+
+    def relay():
+        for line in processes[0].stdout:
+            tail.append(line.rstrip())
+            match = _PROGRESS.search(line)
+            if match:
+                logging.info("%s: step %s/%s, ETA %s", label, *match.groups())
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    statuses = []
+    for process in processes:
+        try:
+            statuses.append(process.wait(
+                timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            logging.error("%s: no end after %.0f s; killing it", label,
+                          timeout)
+            for p in processes:
+                p.kill()
+            statuses.append(process.wait())
+    reader.join(timeout=10)
+    if any(statuses):
+        logging.error("%s failed (exit statuses %s); its last lines:\n%s",
+                      label, statuses, "\n".join(tail))
+    return statuses
+
+
+def popen(args: list[str], log_path: pathlib.Path | None = None,
+           **env_changes):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_changes)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.pop("TF_CONFIG", None)
+    return subprocess.Popen(
+        [sys.executable] + args, env=env, text=True,
+        stdout=subprocess.PIPE if log_path is None else open(log_path, "w"),
+        stderr=subprocess.STDOUT)
+
+
+def run_ps(s: Settings, workers: int, name: str, label: str) -> Run:
+    """A local ps cluster through the launcher (trainer/launcher.py)."""
+    out = s.out
+    logdir = out / name
+    report = out / f"{name}.launch.json"
+    process = popen(["-m", "trainer.launch", f"--num_workers={workers}",
+                      f"--num_ps={s.num_ps}", f"--logdir={logdir}",
+                      f"--report={report}", *s.train_flags])
+    (status,) = stream([process], label, s.timeout)
+    if status != 0:
+        raise RunFailed(f"{label} failed with status {status}")
+    tasks = json.loads(report.read_text())["tasks"]
+    return Run(name, "ps", workers,
+               json.loads((logdir / "results.json").read_text()),
+               {t["task"]: t["peak_rss_mb"] for t in tasks}, s.num_ps)
+
+
+def write_config(s: Settings, name: str, **changes) -> pathlib.Path:
+    """The run's TrainConfig as JSON, for the baselines' processes."""
+    out = s.out
+    config = dataclasses.replace(s.config, logdir=str(out / name),
+                                 checkpoint_every=NO_CHECKPOINTS, **changes)
+    path = out / f"{name}.config.json"
+    path.write_text(json.dumps(dataclasses.asdict(config)))
+    return path
+
+
+def run_single(s: Settings, threads: int, name: str, label: str) -> Run:
+    """The single-process baseline with `threads` intra-op threads."""
+    config = write_config(s, name, intra_op_threads=threads)
+    results = s.out / f"{name}.results.json"
+    # A process without a server sizes its thread pool from this variable,
+    # not from the session's ConfigProto.
+    process = popen(["-m", "trainer.bench.baselines", "single", str(config),
+                      str(results)], TF_NUM_INTRAOP_THREADS=str(threads))
+    (status,) = stream([process], label, s.timeout)
+    if status != 0:
+        raise RunFailed(f"{label} failed with status {status}")
+    data = json.loads(results.read_text())
+    return Run(name, "single", 1, data, {"process": data["peak_rss_mb"]})
+
+
+def run_mwms(s: Settings, workers: int, name: str, label: str) -> Run:
+    """MultiWorkerMirroredStrategy with `workers` local processes."""
+    out = s.out
+    config = write_config(
+        s, name, intra_op_threads=max(1, (os.cpu_count() or 1) // workers))
+    hosts = ",".join(f"localhost:{p}"
+                     for p in launcher.free_ports("localhost", workers))
+    outputs = [out / f"{name}.worker{i}.json" for i in range(workers)]
+    processes = [popen(["-m", "trainer.bench.baselines", "mwms", str(config),
+                         str(outputs[i]), str(i), hosts],
+                        None if i == 0 else out / f"{name}.worker{i}.log")
+                 for i in range(workers)]
+    statuses = stream(processes, label, s.timeout)
+    if any(statuses):
+        raise RunFailed(f"{label} failed with statuses {statuses}")
+    per_worker = [json.loads(p.read_text()) for p in outputs]
+    return Run(name, "mwms", workers, per_worker[0],
+               {f"worker{i}": r["peak_rss_mb"]
+                for i, r in enumerate(per_worker)})

@@ -1,0 +1,138 @@
+"""Benchmark runs on simulated hosts (trainer/hosts.py): every ps task and
+every worker on a host of its own, with a CPU budget and a link rate, each
+started through the per-machine scripts exactly as on real machines; and
+the ps-link bound those link rates put on a step.
+
+The ps-link bound. In every step each of the N workers reads every
+parameter shard from its ps task and writes its gradient for that shard
+back, so the link of the ps task holding the largest shard, of S floats of
+W bytes on the wire (4 for float32, 2 for bfloat16), carries N x S x W
+bytes out (parameters) and as many in (gradients). The simulated link
+shapes each direction to R bits/s (tbf on both ends of the veth), and the
+two directions run at once (one worker pushes while another still pulls),
+so no step can take less than
+
+    bound = N x S x W x 8 / R  seconds.
+
+Measured steps also pay the compute, the latency of a few round trips, and
+gRPC's framing; the ratio measured / bound says how close to the link's
+limit a configuration runs.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from trainer import hosts as hosts_lib
+from trainer import params as params_lib
+from trainer import replica as replica_lib
+from trainer.bench import runs as runs_lib
+from trainer.errors import RunFailed
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PORT = 2222  # every host has its own network namespace, so one port fits
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSettings:
+    host_cpu: float        # cores of each worker host (and the single run)
+    ps_cpu: float          # cores of each ps host
+    link_rate: str         # tc syntax, e.g. "1gbit"
+
+    @property
+    def link_rate_bps(self) -> int:
+        return hosts_lib.parse_rate(self.link_rate)
+
+
+def wire_bytes_per_float(config) -> int:
+    return 2 if getattr(config, "wire_dtype", "float32") in (
+        "bfloat16", "float16") else 4
+
+
+def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
+    """Bytes the busiest ps link carries each way per step (see above)."""
+    layout = params_lib.FlatLayout(params_lib.plan_shards(
+        replica_lib.model_specs(config), num_ps))
+    return workers * max(layout.sizes) * wire_bytes_per_float(config)
+
+
+def ps_link_bound_ms(config, num_ps: int, workers: int,
+                     rate_bps: int) -> float:
+    return 1000.0 * busiest_ps_link_bytes(config, num_ps, workers) * 8 / (
+        rate_bps)
+
+
+def _script_env(ps_hosts: str, worker_hosts: str) -> dict:
+    env = dict(os.environ, PS_HOSTS=ps_hosts, WORKER_HOSTS=worker_hosts,
+               PYTHON=sys.executable, PYTHONUNBUFFERED="1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+def run_ps(s: runs_lib.Settings, workers: int, name: str,
+           label: str) -> runs_lib.Run:
+    """1 host per ps task and per worker; tasks via run_ps.sh and
+    run_worker.sh. The chief's output drives the progress lines."""
+    sim: HostSettings = s.sim
+    logdir = s.out / name
+    threads = ["--intra_op_threads=1", "--inter_op_threads=1"]
+    with hosts_lib.SimulatedHosts() as net:
+        ps = [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
+              for i in range(s.num_ps)]
+        wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
+              for k in range(workers)]
+        env = _script_env(",".join(f"{h.address}:{PORT}" for h in ps),
+                          ",".join(f"{h.address}:{PORT}" for h in wk))
+        flags = [*s.train_flags, *threads, f"--logdir={logdir}"]
+        logs = {}
+
+        def start(host, script, index, log_name):
+            logs[log_name] = open(s.out / f"{name}.{log_name}.log", "w")
+            return host.popen(["bash", str(REPO / script), str(index),
+                               *flags], env=env, cwd=str(REPO),
+                              stdout=logs[log_name],
+                              stderr=subprocess.STDOUT)
+
+        others = [start(h, "run_ps.sh", i, f"ps{i}") for i, h in
+                  enumerate(ps)]
+        others += [start(h, "run_worker.sh", k, f"worker{k}")
+                   for k, h in enumerate(wk) if k > 0]
+        chief = wk[0].popen(
+            ["bash", str(REPO / "run_worker.sh"), "0", *flags], env=env,
+            cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        statuses = runs_lib.stream([chief, *others], label, s.timeout)
+        for f in logs.values():
+            f.close()
+    if any(statuses):
+        raise RunFailed(f"{label} failed with statuses {statuses}; logs in "
+                        f"{s.out}/{name}.*.log")
+    results = json.loads((logdir / "results.json").read_text())
+    return runs_lib.Run(name, "ps", workers, results,
+                        {"chief": results["peak_rss_mb"]}, s.num_ps)
+
+
+def run_single(s: runs_lib.Settings, threads: int, name: str,
+               label: str) -> runs_lib.Run:
+    """The single-process baseline on one host of the workers' budget."""
+    config = runs_lib.write_config(s, name, intra_op_threads=threads)
+    results = s.out / f"{name}.results.json"
+    with hosts_lib.SimulatedHosts() as net:
+        host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   TF_NUM_INTRAOP_THREADS=str(threads))
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        process = host.popen(
+            [sys.executable, "-m", "trainer.bench.baselines", "single",
+             str(config), str(results)], env=env, cwd=str(REPO),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        (status,) = runs_lib.stream([process], label, s.timeout)
+    if status != 0:
+        raise RunFailed(f"{label} failed with status {status}")
+    data = json.loads(results.read_text())
+    return runs_lib.Run(name, "single", 1, data,
+                        {"process": data["peak_rss_mb"]})
