@@ -32,7 +32,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 
 from absl import logging
 
@@ -55,8 +54,9 @@ _RESOURCE_RULES = (  # (resource name, op type, category)
     (r"global_step|sync_tokens_\d+", r"Assign|Enqueue", "aggregate_apply"),
     (r"params/shard_\d+", r"Read", "pull_params"))
 _INHERITED = ("pull_params", "aggregate_apply")
-_LABEL = re.compile(r"^(\S+) = (\w+)\((.*)\)$")
-_RECV_LABEL = re.compile(r"^\[(\d+)B\].*? edge_\d+_(\S+) from (\S+) to (\S+)$")
+_LABEL = re.compile(r"^(?:\[.*?\] )*(\S+) = (\w+)\((.*)\)$")  # [memory] op
+_RECV_LABEL = re.compile(
+    r"^\[([\d.]+)(M?)B\].*? edge_\d+_(\S+) from (\S+) to (\S+)$")
 _RECV_NODE_SUFFIX = re.compile(r"_S\d+$")  # "<tensor>_S<n>": the _Recv node
 
 
@@ -76,17 +76,17 @@ class _Event:
     is_transfer: bool = False
 
     def to_json(self, shift_ns: int, pid: int, label) -> dict:
-        extra = dict(transfer=1, bytes=self.size, src=self.src) \
-            if self.is_transfer else {}
-        return _span(f"{self.op} {self.tensor}" if self.is_transfer
-                     else self.name, self.category, pid, self.start_ns +
-                     shift_ns, self.end_ns + shift_ns, op=self.op,
-                     label=self.label, step=label, **extra)
+        args = dict(op=self.op, label=self.label, step=label)
+        if self.is_transfer:
+            args.update(transfer=1, bytes=self.size, src=self.src)
+        return _span(f"{self.op} {self.tensor}" if self.is_transfer else
+                     self.name, self.category, pid, self.start_ns + shift_ns,
+                     self.end_ns + shift_ns, **args)
 
 
 def _parse_node(device: str, node) -> _Event:
-    """A node_stats of an op ("name = OpType(input, ^ctl)") or of a transfer
-    ("[bytes] [rate] edge_<n>_<producer op> from <dev> to <dev>")."""
+    """A node_stats of an op ("[cpu 1MB 1MB] name = Op(input, ^ctl)") or
+    a transfer ("[<n>B or <x>MB] [rate] edge_<k>_<op> from <dev> to <dev>")."""
     start, length = node.all_start_nanos, node.all_end_rel_nanos
     if not start:  # RecvTensor entries carry micros only
         start = node.all_start_micros * 1000
@@ -97,7 +97,8 @@ def _parse_node(device: str, node) -> _Event:
     if recv or e.name == "RecvTensor":
         e.op = "RecvTensor"
         if recv:
-            e.size, e.tensor, e.src = int(recv[1]), recv[2], recv[3]
+            e.size = int(float(recv[1]) * (1 << 20 if recv[2] else 1))
+            e.tensor, e.src = recv[3], recv[4]
     elif op:
         e.op, e.inputs = op[2], tuple(i.split(":")[0] for i in op[3].split(
             ", ") if i and not i.startswith("^"))
@@ -132,10 +133,9 @@ class _Classifier:
         self.received = {(e.device, e.tensor) for e in events if e.is_transfer}
         self.memo: dict = {}
         self.pushed: set = set()  # (device, node or received tensor)
-        for e in events:
-            if not e.is_transfer and \
-                    self.category(e.device, e.name) == "push_grads":
-                self.mark_push(e.device, e.name)
+        for key in list(self.nodes):
+            if self.category(*key) == "push_grads":
+                self.mark_push(*key)
         for e in events:
             e.category = self.transfer_category(e) if e.is_transfer else (
                 "push_grads" if (e.device, e.name) in self.pushed
@@ -147,8 +147,7 @@ class _Classifier:
             return self.resource(device, node.inputs[0], hops - 1)
         return name
 
-    def direct(self, e: _Event) -> str | None:
-        """The category by the event's own op; None: inherit."""
+    def direct(self, e: _Event) -> str | None:  # None: inherit
         if e.op.startswith("QueueDequeue"):
             return "wait_others"
         if e.op in _STRUCTURAL or not e.op:
@@ -171,17 +170,15 @@ class _Classifier:
             e = self.nodes.get(key)
             found = self.direct(e) if e else "other"
             if found is None:
-                found = next((c for c in (self.category(device, i)
-                                          for i in e.inputs)
-                              if c in _INHERITED), "other")
+                inputs = [self.category(device, i) for i in e.inputs]
+                found = next((c for c in inputs if c in _INHERITED), "other")
             self.memo[key] = found
         return self.memo[key]
 
     def mark_push(self, device: str, name: str) -> None:
         """Marks `name`, the ps ops (not handles) and transfers it needs."""
-        tensor = _RECV_NODE_SUFFIX.sub("", name)
-        if (device, tensor) in self.received:
-            self.pushed.add((device, tensor))
+        recv = (device, _RECV_NODE_SUFFIX.sub("", name))  # input "<t>_S<n>"
+        self.pushed |= {recv} & self.received  # the transfer of tensor t
         e = self.nodes.get((device, name))
         handle = self.nodes.get((device, self.resource(device, name)))
         if e is None or (device, name) in self.pushed or e.op in _STRUCTURAL \
@@ -219,7 +216,7 @@ def _sweep(events: list[_Event]) -> list[list]:
         if not segments or segments[-1][2] != winner:
             segments.append([now, later, winner])
         segments[-1][1] = later
-    return segments
+    return segments or [[times[0], times[0], "other"]]  # all of length 0
 
 
 def _with_shares(step_ms: float, ms: dict) -> dict:
@@ -244,11 +241,9 @@ def breakdown(run_metadata, worker_device_substring: str,
                         f"{worker_device_substring!r} (it has {devices}); "
                         "pass /job:worker/task:<index>")
     _Classifier(events, worker_device_substring)
-    segments = _sweep(events)
-    ns = dict.fromkeys(CATEGORIES, 0)
-    for begin, end, category in segments:
-        ns[category] += end - begin
-    ms = {c: v / 1e6 for c, v in ns.items()}
+    segments = _sweep(events)  # summed in integer ns, then made ms
+    ms = {c: sum(e - b for b, e, k in segments if k == c) / 1e6
+          for c in CATEGORIES}
     if not is_chief and ms["aggregate_apply"] > 0:
         logging.warning("The trace of non-chief %s shows %.3f ms of "
                         "aggregation/apply; is it the chief's trace?",
@@ -308,9 +303,9 @@ def write_chrome_trace(path: str, run_metadatas: list,
     """Writes the traced steps, one after another, as one Chrome trace.
 
     For chrome://tracing and Perfetto. Each device is a process with a row
-    per category (module doc), ops and transfers apart; process "steps"
-    shows each step's breakdown (the winning category at each instant).
-    Steps are STEP_GAP_US apart. Written atomically.
+    per category (module doc), ops and transfers apart; process "steps" has
+    each step's breakdown (the category winning each instant). Steps are
+    STEP_GAP_US apart; the file is written atomically.
     """
     labels = list(range(len(run_metadatas)) if step_labels is None
                   else step_labels)
@@ -321,7 +316,7 @@ def write_chrome_trace(path: str, run_metadatas: list,
              for label, metadata in zip(labels, run_metadatas)]
     devices = sorted({e.device for s in steps for e in s}, key=lambda d: (
         not _device_matches(d, "/job:worker"), d))
-    pids = {device: i + 1 for i, device in enumerate(devices)}
+    pids = {name: i for i, name in enumerate(["steps"] + devices)}
     ops, marks, cursor_ns = [], [], 0
     for label, events in zip(labels, steps):
         _Classifier(events, "/job:worker")
@@ -331,10 +326,9 @@ def write_chrome_trace(path: str, run_metadatas: list,
         marks += [_span(c, c, 0, b + shift, e + shift, step=label)
                   for b, e, c in segments]
         cursor_ns = segments[-1][1] + shift + STEP_GAP_US * 1000
-    meta = [_meta(0, 0, "process_name", name="steps"),
-            _meta(0, 0, "thread_name", name="breakdown")]
-    meta += [_meta(pid, 0, "process_name", name=device)
-             for device, pid in pids.items()] + _assign_rows(ops)
+    meta = [_meta(pid, 0, "process_name", name=name)
+            for name, pid in pids.items()]
+    meta += [_meta(0, 0, "thread_name", name="breakdown")] + _assign_rows(ops)
     _write_json_atomically(path, {"traceEvents": meta + marks + ops,
                                   "displayTimeUnit": "ms"})
     logging.info("Wrote the trace of %d step(s) on %d device(s) to %s",
@@ -342,13 +336,12 @@ def write_chrome_trace(path: str, run_metadatas: list,
 
 
 def _write_json_atomically(path: str, payload: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"  # same folder: the rename is atomic
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(payload, f)
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
