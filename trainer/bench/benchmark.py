@@ -168,19 +168,22 @@ def make_rows(s: runs_lib.Settings, grouped: list) -> tuple[list, float]:
 def _add_host_columns(s: runs_lib.Settings, medians: list,
                       rows: list) -> None:
     """Speedup, scaling efficiency and the ps-link bound (simulated.py)."""
-    ps_runs = [r for r in medians if r.kind == "ps"]
-    one = min(ps_runs, key=lambda r: r.workers) if ps_runs else None
+    # S(N) needs the 1-worker run of the same benchmark.
+    one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
+               None)
     for run, row in zip(medians, rows):
         row.update(host_cpu=s.sim.host_cpu, ps_cpu=s.sim.ps_cpu,
                    link_rate=s.sim.link_rate)
         if run.kind != "ps":
             continue
-        speedup = (run.results["images_per_sec"]
-                   / one.results["images_per_sec"]) * one.workers
+        if one:
+            speedup = (run.results["images_per_sec"]
+                       / one.results["images_per_sec"])
+            row.update(speedup=speedup,
+                       scaling_efficiency=speedup / run.workers)
         bound = simulated.ps_link_bound_ms(s.config, s.num_ps, run.workers,
                                            s.sim.link_rate_bps)
         row.update(
-            speedup=speedup, scaling_efficiency=speedup / run.workers,
             ps_link_bytes_per_step=simulated.busiest_ps_link_bytes(
                 s.config, s.num_ps, run.workers),
             ps_link_bound_ms=bound,

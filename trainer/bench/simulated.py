@@ -8,11 +8,14 @@ parameter shard from its ps task and writes its gradient for that shard
 back, so the link of the ps task holding the largest shard, of S floats of
 W bytes on the wire (4 for float32, 2 for bfloat16), carries N x S x W
 bytes out (parameters) and as many in (gradients). The simulated link
-shapes each direction to R bits/s (tbf on both ends of the veth), and the
-two directions run at once (one worker pushes while another still pulls),
-so no step can take less than
+shapes each direction to R bits/s (tbf on both ends of the veth). However
+the ps orders its sends, the last worker has its parameters no earlier
+than N x S x W x 8 / R after the step starts, and its gradient, S x W
+bytes that it can only compute once it has all of them, then needs
+S x W x 8 / R more on the way in (the other workers' gradients travel
+while the ps still sends). So no step can take less than
 
-    bound = N x S x W x 8 / R  seconds.
+    bound = (N + 1) x S x W x 8 / R  seconds.
 
 Measured steps also pay the compute, the latency of a few round trips, and
 gRPC's framing; the ratio measured / bound says how close to the link's
@@ -61,8 +64,8 @@ def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
 
 def ps_link_bound_ms(config, num_ps: int, workers: int,
                      rate_bps: int) -> float:
-    return 1000.0 * busiest_ps_link_bytes(config, num_ps, workers) * 8 / (
-        rate_bps)
+    each_way = busiest_ps_link_bytes(config, num_ps, workers)
+    return 1000.0 * each_way * (workers + 1) / workers * 8 / rate_bps
 
 
 def _script_env(ps_hosts: str, worker_hosts: str) -> dict:
