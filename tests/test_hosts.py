@@ -141,8 +141,9 @@ def test_cpu_budget_holds_and_changes(available):
         spinner = run_script(host, BUSY, stdin=subprocess.PIPE)
         first = float(read_line(spinner))
         host.set_cpu(0.1)
-        with open(os.path.join(host.cgroup, "cpu.cfs_quota_us")) as f:
-            assert f.read().strip() == "10000"
+        quota, period = (int(pathlib.Path(host.cgroup, f"cpu.cfs_{n}_us")
+                                 .read_text()) for n in ("quota", "period"))
+        assert (quota, period) == (1000, 10000)  # 0.1 core, evenly
         spinner.stdin.write("go\n")
         spinner.stdin.flush()
         second = float(read_line(spinner))

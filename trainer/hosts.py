@@ -9,7 +9,7 @@ host is a namespace `<tag>-<name>` whose `eth0` is a veth to a bridge in the
 namespace `<tag>-bridge`, with an address in 198.18.0.0/15 (RFC 2544's
 benchmarking range; packets never leave the namespaces made here), a tbf
 rate on both ends of the veth and a cgroup /sys/fs/cgroup/cpu/<tag>-<name>
-(quota = cores * 100000 us per 100000 us); `host_commands()` lists them.
+(quota = cores x period, a period of 10 ms); `host_commands()` lists them.
 `close()` (also on an exception, Ctrl-C or exit) sends SIGTERM, then SIGKILL
 after a grace, to each process in the tag's cgroups (all started here, and
 their children) or namespaces, then deletes the namespaces and cgroups.
@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import errno
 import glob
-import math
 import os
 import pathlib
 import re
@@ -32,64 +31,20 @@ import time
 from absl import logging
 
 from trainer.errors import RunFailed, UserError
+from trainer.host_limits import (  # noqa: F401 (parse_rate: public here)
+    check_cpu, cfs_period_us, parse_rate, tbf_args)
 
 CPU_CGROUP = "/sys/fs/cgroup/cpu"
-CFS_PERIOD_US = 100000
 SUBNET = "198.18.0"  # hosts get .1, .2, ... of 198.18.0.0/24
 MAX_HOSTS = 250
 BRIDGE = "br0"
-MIN_RATE_BPS, MAX_RATE_BPS = 100_000, 10**10
 _TAG_RE = re.compile(r"^[a-z][a-z0-9]{1,15}$")
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,12}$")  # "v-<name>" fits 15 chars
-# tc's rate units, case-insensitive as in tc: "...bit" counts bits and
-# "...bps" counts BYTES per second.
-_UNITS = {prefix + unit: scale * bits
-          for prefix, scale in (("", 1), ("k", 1e3), ("m", 1e6), ("g", 1e9),
-                                ("t", 1e12), ("ki", 2**10), ("mi", 2**20),
-                                ("gi", 2**30), ("ti", 2**40))
-          for unit, bits in (("bit", 1), ("bps", 8))}
-_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]+)\s*$", re.I)
 _MISSING = (("tbf", "tc tbf missing; modprobe sch_tbf (CONFIG_NET_SCH_TBF)"),
             ("veth", "veth unsupported; modprobe veth (CONFIG_VETH)"),
             ("bridge", "bridges unsupported; modprobe bridge (CONFIG_BRIDGE)"),
             ("netns", "network namespaces unsupported; need CONFIG_NET_NS and "
              "CAP_SYS_ADMIN (not an unprivileged container)"))
-
-
-def parse_rate(text) -> int:
-    """A tc rate such as "1gbit", "100mbit" or "500kbit" -> bits per second."""
-    match = _RATE_RE.match(str(text))
-    unit = match and _UNITS.get(match.group(2).lower())
-    bps = int(round(float(match.group(1)) * unit)) if unit else 0
-    if not MIN_RATE_BPS <= bps <= MAX_RATE_BPS:
-        raise UserError(f"bad link rate {text!r}; give 100kbit to 10gbit with "
-                        "a tc unit, e.g. 1gbit, 100mbit or 500kbit")
-    return bps
-
-
-def tbf_args(rate_bps: int) -> list[str]:
-    """The tbf parameters for a link of rate_bps bits/s (see the comments)."""
-    rate_bytes = rate_bps // 8
-    # burst: at least what arrives in a kernel tick (rate/HZ; 10 ms of data
-    # covers HZ >= 100) and a few full frames; tbf cuts bigger GSO packets.
-    burst = max(rate_bytes // 100, 8 * 1514)
-    # limit: bytes queued before tail drop. A step's gRPC messages come in
-    # bursts (the cnn's parameters are ~140 KB per worker, and the ps's port
-    # gets every worker's gradient at once); they must queue, not be dropped,
-    # or TCP would stall in loss recovery. 250 ms of data, at least 1 MiB.
-    limit = max(rate_bytes // 4, 2**20) + burst
-    return ["rate", f"{rate_bps}bit", "burst", str(burst), "limit", str(limit)]
-
-
-def _check_cpu(cores):
-    """None (no budget) or a CPU budget in cores, at least 0.01."""
-    if cores is None:
-        return None
-    number = isinstance(cores, (int, float)) and not isinstance(cores, bool)
-    if not (number and math.isfinite(cores) and 0.01 <= cores <= 1024):
-        raise UserError(f"bad CPU budget {cores!r}; give a fraction of one "
-                        "core between 0.01 and 1024, e.g. 0.3")
-    return float(cores)
 
 
 def _check_tag(tag: str) -> str:
@@ -278,9 +233,10 @@ class Host:
 
     def set_cpu(self, cores) -> None:
         """Changes the CPU budget (cores; None: unlimited), at any time."""
-        cores = _check_cpu(cores)
-        quota = -1 if cores is None else int(round(cores * CFS_PERIOD_US))
-        for name, value in (("period", CFS_PERIOD_US), ("quota", quota)):
+        cores = check_cpu(cores)
+        period = cfs_period_us(cores)
+        quota = -1 if cores is None else int(round(cores * period))
+        for name, value in (("period", period), ("quota", quota)):
             pathlib.Path(self.cgroup, f"cpu.cfs_{name}_us").write_text(
                 f"{value}\n")
         self.cpu = cores
@@ -325,7 +281,7 @@ class SimulatedHosts:
                             "hosts made); use 1-13 lowercase letters and "
                             "digits, starting with a letter")
         rate = None if link_rate is None else parse_rate(link_rate)
-        host = Host(self.tag, name, len(self.hosts) + 1, _check_cpu(cpu), rate,
+        host = Host(self.tag, name, len(self.hosts) + 1, check_cpu(cpu), rate,
                     owner=self)
         self.hosts[name] = host
         _make_host(host, with_bridge=len(self.hosts) == 1)
