@@ -143,7 +143,7 @@ def test_cpu_budget_holds_and_changes(available):
         host.set_cpu(0.1)
         quota, period = (int(pathlib.Path(host.cgroup, f"cpu.cfs_{n}_us")
                                  .read_text()) for n in ("quota", "period"))
-        assert (quota, period) == (1000, 10000)  # 0.1 core, evenly
+        assert (quota, period) == (10000, 100000)  # 0.1 core
         spinner.stdin.write("go\n")
         spinner.stdin.flush()
         second = float(read_line(spinner))

@@ -9,7 +9,7 @@ host is a namespace `<tag>-<name>` whose `eth0` is a veth to a bridge in the
 namespace `<tag>-bridge`, with an address in 198.18.0.0/15 (RFC 2544's
 benchmarking range; packets never leave the namespaces made here), a tbf
 rate on both ends of the veth and a cgroup /sys/fs/cgroup/cpu/<tag>-<name>
-(quota = cores x period, a period of 10 ms); `host_commands()` lists them.
+(quota = cores x period, a period of 100 ms); `host_commands()` lists them.
 `close()` (also on an exception, Ctrl-C or exit) sends SIGTERM, then SIGKILL
 after a grace, to each process in the tag's cgroups (all started here, and
 their children) or namespaces, then deletes the namespaces and cgroups.
