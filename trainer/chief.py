@@ -85,10 +85,11 @@ class Chief(WorkerRole):
             try:
                 self._save(logdir, step)
                 self.session.run(ops.stop_op, {ops.stop_reason_in: reason})
-                self._shut_down_ps(failed=True)
             except tf.errors.OpError as e:
                 logging.warning("could not save or stop cleanly: %s",
                                 error_summary(e))
+            # Even when the stop could not be sent, the ps tasks must exit.
+            self._shut_down_ps(failed=True)
         self.give_up(
             f"{reason}; stopped the run after saving a checkpoint at step "
             f"{step}; restart the missing task(s) and start every task again "
