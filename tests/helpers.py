@@ -25,7 +25,8 @@ def real_mnist_dir() -> pathlib.Path | None:
     for candidate in (os.environ.get("MNIST_DATA_DIR"), SHARED_MNIST):
         if candidate and (pathlib.Path(candidate) /
                           "train-images-idx3-ubyte.gz").exists():
-            return pathlib.Path(candidate)
+            # Absolute, because tests run commands from other directories.
+            return pathlib.Path(candidate).resolve()
     return None
 
 

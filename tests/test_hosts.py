@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests import helpers
 from trainer import hosts
 from trainer.errors import UserError
 
@@ -241,17 +242,8 @@ def test_bad_host_settings_are_refused_before_anything_is_made(available):
         assert hosts.leftovers(sim.tag) == []
 
 
-def _mnist_dir() -> pathlib.Path | None:
-    for folder in (os.environ.get("MNIST_DATA_DIR"),
-                   REPO.parent / "shared" / "mnist"):
-        if folder and (pathlib.Path(folder) /
-                       "train-images-idx3-ubyte.gz").exists():
-            return pathlib.Path(folder)
-    return None
-
-
 def test_scripts_train_across_hosts(available, tmp_path):
-    data_dir = _mnist_dir()
+    data_dir = helpers.real_mnist_dir()
     if data_dir is None:
         pytest.skip("real MNIST not found; set MNIST_DATA_DIR")
     flags = ["--model=softmax", "--train_steps=20", "--batch_size=32",

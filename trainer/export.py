@@ -26,7 +26,9 @@ from absl import logging
 
 from trainer import model as model_lib
 from trainer import params as params_lib
+from trainer import replica as replica_lib
 from trainer.config import MODELS
+from trainer.data import IMAGE_SIZE
 from trainer.errors import UserError
 
 SIGNATURE_KEY = tf.saved_model.DEFAULT_SERVING_SIGNATURE_DEF_KEY
@@ -37,9 +39,8 @@ def parameter_shapes(model: str, hidden_units: int) -> dict[str, tuple]:
     if model not in MODELS:
         raise UserError(f"unknown model '{model}'; use one of "
                         f"{', '.join(MODELS)}")
-    specs = params_lib.record(lambda: model_lib.build(
-        model, tf.zeros([1, 28, 28, 1]), hidden_units=hidden_units))
-    return {s.name: s.shape for s in specs}
+    return {s.name: s.shape
+            for s in replica_lib.param_specs(model, hidden_units)}
 
 
 def check_values(values: dict, model: str, hidden_units: int) -> None:
@@ -105,7 +106,7 @@ def _build_and_save(directory: str, model: str, hidden_units: int,
     """
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
-        images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28],
+        images = tf.compat.v1.placeholder(tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE],
                                           name="images")
         # Under SCOPE the model's variables get the parameter names.
         with tf.compat.v1.variable_scope(params_lib.SCOPE):

@@ -57,13 +57,18 @@ def results_fields(outcome: Outcome, config: TrainConfig,
             "flags": dataclasses.asdict(config)}
 
 
-def write_json(path: pathlib.Path, value: dict) -> None:
-    """Writes `value` to `path` whole or not at all (a temporary file,
-    then a rename)."""
+def write_json(path: pathlib.Path, value: dict,
+               indent: int | None = 2) -> None:
+    """Writes `value` to `path` whole or not at all (a temporary file in
+    the same folder, then a rename)."""
     path = pathlib.Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(value, indent=indent) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def peak_rss_mb() -> float:

@@ -22,11 +22,17 @@ NUM_STATS = 3      # a replica's statistics: examples, loss sum, correct
 _DROPOUT_SEED_SALT = 0x5EED
 
 
-def model_specs(config: TrainConfig) -> list[params_lib.ParamSpec]:
-    """The model's parameters (names, shapes, initializers), in order."""
+def param_specs(model: str, hidden_units: int,
+                seed: int = 0) -> list[params_lib.ParamSpec]:
+    """Model `model`'s parameters (names, shapes, initializers), in order."""
     return params_lib.record(lambda: model_lib.build(
-        config.model, tf.zeros([1, IMAGE_SIZE, IMAGE_SIZE, 1]),
-        seed=config.seed, hidden_units=config.hidden_units))
+        model, tf.zeros([1, IMAGE_SIZE, IMAGE_SIZE, 1]), seed=seed,
+        hidden_units=hidden_units))
+
+
+def model_specs(config: TrainConfig) -> list[params_lib.ParamSpec]:
+    """The run's model's parameters, as param_specs gives them."""
+    return param_specs(config.model, config.hidden_units, config.seed)
 
 
 def logits(config: TrainConfig, layout: params_lib.FlatLayout,

@@ -7,6 +7,7 @@ the latest checkpoint, since a restarted ps has lost the variables). It
 gives up if no step succeeds for --startup_timeout_secs.
 """
 
+import abc
 import socket
 import threading
 import time
@@ -34,7 +35,7 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
            tf.errors.CancelledError, tf.errors.InternalError)
 
 
-class WorkerRole:
+class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
 
     The watchdog thread may end a blocked session.run by closing the
@@ -51,7 +52,7 @@ class WorkerRole:
             len(mnist.train_labels))
         self.session = None
         self.local_steps = 0      # steps this worker computed, all sessions
-        self.traces = []          # (step, RunMetadata) of traced steps
+        self.traces = []          # (first step, steps, RunMetadata)
         self._stop_reason = None
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
@@ -61,9 +62,10 @@ class WorkerRole:
             config, task, len(mnist.train_labels),
             max(len(mnist.test_labels), 1), self.train_steps)
 
+    @abc.abstractmethod
     def run_connected(self) -> None:
-        """Trains to the end with an open session (subclasses)."""
-        raise NotImplementedError
+        """Trains to the end with an open session: the chief's and the
+        other workers' own part (trainer/chief.py, trainer/worker.py)."""
 
     def run(self) -> None:
         """Connects, trains and reconnects after a lost ps, to the end."""

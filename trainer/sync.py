@@ -50,9 +50,6 @@ from trainer.replica import NUM_STATS
 
 # Token that tells workers the chief has stopped the run (see stop_reason).
 STOP = -1
-# Statistics a worker reports per step (replica.NUM_STATS): examples, loss
-# sum and correct predictions over its slice.
-
 _QUEUE_CAPACITY = 1 << 30
 TRANSIENT = "sync_transient_variables"
 

@@ -29,12 +29,11 @@ Identity, Switch and Merge to their variable or queue; names as sync.py):
 
 import collections
 import dataclasses
-import json
-import os
 import re
 
 from absl import logging
 
+from trainer import progress
 from trainer.errors import UserError
 
 CATEGORIES = ("compute", "aggregate_apply", "pull_params", "push_grads",
@@ -329,19 +328,8 @@ def write_chrome_trace(path: str, run_metadatas: list,
     meta = [_meta(pid, 0, "process_name", name=name)
             for name, pid in pids.items()]
     meta += [_meta(0, 0, "thread_name", name="breakdown")] + _assign_rows(ops)
-    _write_json_atomically(path, {"traceEvents": meta + marks + ops,
-                                  "displayTimeUnit": "ms"})
+    # Compact (no indent): a trace holds tens of thousands of events.
+    progress.write_json(path, {"traceEvents": meta + marks + ops,
+                               "displayTimeUnit": "ms"}, indent=None)
     logging.info("Wrote the trace of %d step(s) on %d device(s) to %s",
                  len(steps), len(devices), path)
-
-
-def _write_json_atomically(path: str, payload: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"  # same folder: the rename is atomic
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -241,8 +241,8 @@ def main(argv) -> int:
         return 1
     rows, reference = make_rows(s, grouped)
     write_dashboard(out, s, plan, [median_run(g) for g in grouped], rows)
-    print(report.write_outputs(out, rows, FLAGS.target_accuracy))
-    print(_footer(rows, reference, out))
+    report.emit(report.write_outputs(out, rows, FLAGS.target_accuracy))
+    report.emit(_footer(rows, reference, out))
     return 0 if all(math.isfinite(r["images_per_sec"]) for r in rows) else 1
 
 

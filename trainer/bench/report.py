@@ -20,6 +20,14 @@ EXTRA_COLUMNS = ("images_per_sec_repeats", "host_cpu", "ps_cpu", "link_rate",
                  "step_aggregate_apply_ms", "step_other_ms")
 
 
+def emit(text: str) -> None:
+    """Writes a command's result, its final table, to stdout. (Progress
+    goes to absl logging, on stderr; this is what the command prints for a
+    person or a script to read.)"""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def write_outputs(out: pathlib.Path, rows: list[dict],
                   target_accuracy: float) -> str:
     """Writes results.csv, results.json and results.png; returns Markdown."""

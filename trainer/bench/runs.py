@@ -116,13 +116,19 @@ def stream(processes: list, label: str, timeout: float) -> list[int]:
     return statuses
 
 
-def popen(args: list[str], log_path: pathlib.Path | None = None,
-           **env_changes):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_changes)
+def child_env(**changes) -> dict:
+    """The environment of a run's processes: unbuffered output, TF's C++
+    chatter off, and no TF_CONFIG of ours leaking into them."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **changes)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.pop("TF_CONFIG", None)
+    return env
+
+
+def popen(args: list[str], log_path: pathlib.Path | None = None,
+          **env_changes):
     return subprocess.Popen(
-        [sys.executable] + args, env=env, text=True,
+        [sys.executable] + args, env=child_env(**env_changes), text=True,
         stdout=subprocess.PIPE if log_path is None else open(log_path, "w"),
         stderr=subprocess.STDOUT)
 

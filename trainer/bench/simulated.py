@@ -22,9 +22,9 @@ gRPC's framing; the ratio measured / bound says how close to the link's
 limit a configuration runs.
 """
 
+import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -68,14 +68,6 @@ def ps_link_bound_ms(config, num_ps: int, workers: int,
     return 1000.0 * each_way * (workers + 1) / workers * 8 / rate_bps
 
 
-def _script_env(ps_hosts: str, worker_hosts: str) -> dict:
-    env = dict(os.environ, PS_HOSTS=ps_hosts, WORKER_HOSTS=worker_hosts,
-               PYTHON=sys.executable, PYTHONUNBUFFERED="1")
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.pop("TF_CONFIG", None)
-    return env
-
-
 def run_ps(s: runs_lib.Settings, workers: int, name: str,
            label: str) -> runs_lib.Run:
     """1 host per ps task and per worker; tasks via run_ps.sh and
@@ -88,29 +80,30 @@ def run_ps(s: runs_lib.Settings, workers: int, name: str,
               for i in range(s.num_ps)]
         wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
               for k in range(workers)]
-        env = _script_env(",".join(f"{h.address}:{PORT}" for h in ps),
-                          ",".join(f"{h.address}:{PORT}" for h in wk))
+        env = runs_lib.child_env(
+            PS_HOSTS=",".join(f"{h.address}:{PORT}" for h in ps),
+            WORKER_HOSTS=",".join(f"{h.address}:{PORT}" for h in wk),
+            PYTHON=sys.executable)
         flags = [*s.train_flags, *threads, f"--logdir={logdir}"]
-        logs = {}
+        with contextlib.ExitStack() as logs:
 
-        def start(host, script, index, log_name):
-            logs[log_name] = open(s.out / f"{name}.{log_name}.log", "w")
-            return host.popen(["bash", str(REPO / script), str(index),
-                               *flags], env=env, cwd=str(REPO),
-                              stdout=logs[log_name],
-                              stderr=subprocess.STDOUT)
+            def start(host, script, index, log_name=None):
+                # The chief's output is read (progress lines); the other
+                # tasks' goes to <name>.<task>.log.
+                out = (subprocess.PIPE if log_name is None else
+                       logs.enter_context(
+                           open(s.out / f"{name}.{log_name}.log", "w")))
+                return host.popen(["bash", str(REPO / script), str(index),
+                                   *flags], env=env, cwd=str(REPO),
+                                  stdout=out, stderr=subprocess.STDOUT,
+                                  text=True)
 
-        others = [start(h, "run_ps.sh", i, f"ps{i}") for i, h in
-                  enumerate(ps)]
-        others += [start(h, "run_worker.sh", k, f"worker{k}")
-                   for k, h in enumerate(wk) if k > 0]
-        chief = wk[0].popen(
-            ["bash", str(REPO / "run_worker.sh"), "0", *flags], env=env,
-            cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
-        statuses = runs_lib.stream([chief, *others], label, s.timeout)
-        for f in logs.values():
-            f.close()
+            chief = start(wk[0], "run_worker.sh", 0)
+            others = [start(h, "run_ps.sh", i, f"ps{i}")
+                      for i, h in enumerate(ps)]
+            others += [start(h, "run_worker.sh", k, f"worker{k}")
+                       for k, h in enumerate(wk) if k > 0]
+            statuses = runs_lib.stream([chief, *others], label, s.timeout)
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}; logs in "
                         f"{s.out}/{name}.*.log")
@@ -126,9 +119,7 @@ def run_single(s: runs_lib.Settings, threads: int, name: str,
     results = s.out / f"{name}.results.json"
     with hosts_lib.SimulatedHosts() as net:
         host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
-        env = dict(os.environ, PYTHONUNBUFFERED="1",
-                   TF_NUM_INTRAOP_THREADS=str(threads))
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        env = runs_lib.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
         process = host.popen(
             [sys.executable, "-m", "trainer.bench.baselines", "single",
              str(config), str(results)], env=env, cwd=str(REPO),

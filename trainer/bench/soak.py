@@ -27,6 +27,7 @@ from absl import flags
 from absl import logging
 
 from trainer import flags as trainer_flags
+from trainer.bench import report as bench_report
 
 trainer_flags.define_local_cluster_flags(num_workers=4)
 
@@ -167,19 +168,18 @@ def main(argv) -> int:
                                  for name, series in
                                  sampler.samples.items()}}
     (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("| task | RSS at step %d (MB) | peak after (MB) | growth |"
-          % FLAGS.warmup_steps)
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['task']} | {row['rss_at_warmup_mb']:.0f} | "
-              f"{row['peak_after_mb']:.0f} | {100 * row['growth']:+.1f}% |")
-    print(f"\nglobal step {results.get('global_step')}, local steps "
-          f"{results.get('local_steps')}, dropped gradients "
-          f"{results.get('dropped_gradients')}, exit status {status}, "
-          f"{report['wall_secs']:.0f} s")
-    for failure in failures:
-        print(f"FAILED: {failure}")
-    print("soak passed" if not failures else "soak failed")
+    lines = ["| task | RSS at step %d (MB) | peak after (MB) | growth |"
+             % FLAGS.warmup_steps, "|---|---|---|---|"]
+    lines += [f"| {row['task']} | {row['rss_at_warmup_mb']:.0f} | "
+              f"{row['peak_after_mb']:.0f} | {100 * row['growth']:+.1f}% |"
+              for row in rows]
+    lines.append(f"\nglobal step {results.get('global_step')}, local steps "
+                 f"{results.get('local_steps')}, dropped gradients "
+                 f"{results.get('dropped_gradients')}, exit status {status}, "
+                 f"{report['wall_secs']:.0f} s")
+    lines += [f"FAILED: {failure}" for failure in failures]
+    lines.append("soak passed" if not failures else "soak failed")
+    bench_report.emit("\n".join(lines))
     return 0 if not failures else 1
 
 
