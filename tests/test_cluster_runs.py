@@ -205,7 +205,9 @@ def test_backup_workers_use_the_first_replicas(tmp_path, fake_data):
     # Every gradient pushed was admitted (2 per step), dropped as late, or
     # still queued when training ended (at most one per backup worker...
     # or per worker that was mid-step).
-    pushed = sum(results["local_steps"].values())
+    pushed = sum(results["pushed_gradients"].values())
+    # local_steps counts admissions on the ps: exactly R = 2 per step.
+    assert sum(results["local_steps"].values()) == 2 * steps
     leftover = pushed - 2 * steps - results["dropped_gradients"]
     print(f"backup run: pushed {pushed}, dropped "
           f"{results['dropped_gradients']}, left over {leftover}")

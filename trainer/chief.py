@@ -6,6 +6,7 @@ import pathlib
 import time
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from trainer import checkpoints
@@ -22,6 +23,15 @@ EXPORT_DIR = "export"
 
 
 class Chief(WorkerRole):
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # sync/contributions lives on ps 0 and restarts from zero whenever
+        # the chief restores a checkpoint. What it had counted up to each
+        # checkpoint this process saved is kept here, so that the counts
+        # survive a restore: int64 [N] by global step.
+        self._counted_at_save = {}
+        self._counted_before = None   # the counts at the restored step
 
     def run_connected(self) -> None:
         ops = self.g.chief
@@ -43,10 +53,11 @@ class Chief(WorkerRole):
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
         writer.close()
+        counted = self._counted_before + self.session.run(ops.contributions)
         self._export(logdir)
-        local_steps = self._collect_finished()
+        pushed = self._collect_finished()
         self._write_results(logdir, self.train_steps - step, outcome,
-                            local_steps, step_breakdown)
+                            counted, pushed, step_breakdown)
         self._shut_down_ps()
         self.close_session()
 
@@ -69,14 +80,22 @@ class Chief(WorkerRole):
 
         return run_steps
 
-    def _stop_stalled_run(self, logdir: pathlib.Path, step: int,
+    def _stop_stalled_run(self, logdir: pathlib.Path, step: int | None,
                           who: str) -> None:
         """The step waited --worker_timeout_secs for `who`: save and stop.
 
         Runs on the watchdog's thread. The blocked step has not been
         applied, so the parameters are those after `step` steps: a
-        consistent checkpoint to resume from.
+        consistent checkpoint to resume from. With step None ps 0 does not
+        answer, so nothing can be saved: the last checkpoint stands.
         """
+        if step is None:
+            self._shut_down_ps(failed=True)
+            self.give_up(
+                f"{who} for {self.config.worker_timeout_secs:.0f} s "
+                "(--worker_timeout_secs); stopped; start every task again "
+                "with the same flags to continue from the last checkpoint")
+            return
         ops = self.g.chief
         reason = (f"{who} sent no gradient for step {step} in "
                   f"{self.config.worker_timeout_secs:.0f} s "
@@ -106,9 +125,12 @@ class Chief(WorkerRole):
             self.session.run(ops.transient_init_op)
             step = int(self.session.run(self.g.coord.global_step))
             logging.info("restored %s (global step %d)", restored, step)
+            self._counted_before = self._counted_at_save.get(
+                step, self._no_counts())
         else:
             self.session.run(ops.init_op)
             step = int(self.session.run(self.g.coord.global_step))
+            self._counted_before = self._no_counts()
             logging.info("initialized the parameters (no checkpoint in %s)",
                          logdir)
             self._save(logdir, step)
@@ -121,11 +143,17 @@ class Chief(WorkerRole):
         export.export_saved_model(str(logdir / EXPORT_DIR), self.config.model,
                                   self.config.hidden_units, values)
 
+    def _no_counts(self) -> np.ndarray:
+        return np.zeros([self.task.cluster.num_workers], np.int64)
+
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         checkpoints.save(self.g.chief.saver, self.session, logdir, step)
+        self._counted_at_save[step] = self._counted_before + self.session.run(
+            self.g.chief.contributions)
 
     def _collect_finished(self) -> dict:
-        """Local step counts that the other workers report as they finish."""
+        """The gradients the other workers say they pushed, reported as
+        they finish."""
         options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
@@ -146,8 +174,11 @@ class Chief(WorkerRole):
         return reports
 
     def _write_results(self, logdir: pathlib.Path, steps_trained: int,
-                       outcome: progress.Outcome, local_steps: dict,
-                       step_breakdown: dict | None) -> None:
+                       outcome: progress.Outcome, counted: np.ndarray,
+                       pushed: dict, step_breakdown: dict | None) -> None:
+        """results.json. local_steps: the applied steps of this launch that
+        averaged each worker's gradient (ps-side, exact); pushed_gradients:
+        what each worker pushed (with stale, dropped and redone ones)."""
         config, cluster = self.config, self.task.cluster
         results = {
             **progress.results_fields(outcome, config, self.train_steps),
@@ -159,8 +190,9 @@ class Chief(WorkerRole):
                 cluster.num_workers),
             "backup_workers": config.backup_workers,
             "dropped_gradients": outcome.dropped,
-            "local_steps": {"0": steps_trained,
-                            **{str(k): v for k, v in local_steps.items()}},
+            "local_steps": {str(k): int(n) for k, n in enumerate(counted)},
+            "pushed_gradients": {"0": steps_trained,
+                                 **{str(k): v for k, v in pushed.items()}},
             "cluster": cluster.as_dict(),
         }
         if step_breakdown:

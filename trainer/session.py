@@ -8,6 +8,7 @@ gives up if no step succeeds for --startup_timeout_secs.
 """
 
 import abc
+import os
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from trainer.errors import RunFailed
 from trainer.session_calls import error_summary, make_callable
 
 POLL_SECS = 0.25           # how often to look for a ps or the chief
+CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
 PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
 
 # Errors a task sees when a ps task died or restarted (connection refused,
@@ -139,13 +141,18 @@ class WorkerRole(abc.ABC):
 
     def watchdog(self, timeout_secs: float,
                  on_timeout) -> watchdog_lib.Watchdog:
-        """Calls on_timeout(step, who) when the global step stays put."""
-        read = self.callable({"step": self.g.coord.global_step,
-                              "admitted": self.g.coord.admitted})
+        """Calls on_timeout(step, who) when the global step stays put (step
+        None: ps 0 did not answer)."""
+        fetches = {"step": self.g.coord.global_step,
+                   "admitted": self.g.coord.admitted}
         cluster = self.task.cluster
 
         def read_progress():
-            out = read()
+            with self._lock:
+                session = self.session
+            if session is None:
+                raise RunFailed("no session")
+            out = session.run(fetches)
             return int(out["step"]), list(out["admitted"])
 
         def describe_missing(admitted) -> str:
@@ -155,14 +162,30 @@ class WorkerRole(abc.ABC):
                 return "the chief to apply the step"
             return ", ".join(cluster.describe("worker", k) for k in missing)
 
-        return watchdog_lib.Watchdog(read_progress, describe_missing,
-                                     timeout_secs, on_timeout)
+        return watchdog_lib.Watchdog(
+            read_progress, describe_missing, timeout_secs, on_timeout,
+            f"{cluster.describe('ps', 0)}, which does not answer")
 
     def give_up(self, reason: str) -> None:
         """From the watchdog: end the blocked session.run with a reason."""
+        logging.info("the watchdog ends the blocked training run")
         with self._lock:
             self._stop_reason = reason
-        self.close_session()  # cancels the run the training thread is in
+        # Closing the session normally cancels the run the training thread
+        # is blocked in, and that thread raises `reason`. With ps 0 cut off,
+        # the close or the cancelled run can block as long as TCP retries
+        # the silent peer; then leaving is the only way to end the process.
+        threading.Thread(target=self._exit_if_still_running, args=(reason,),
+                         daemon=True, name="give-up-deadline").start()
+        self.close_session()
+
+    @staticmethod
+    def _exit_if_still_running(reason: str) -> None:
+        time.sleep(CLOSE_DEADLINE_SECS)
+        logging.error("%s; the blocked session did not end within %.0f s; "
+                      "exiting", reason, CLOSE_DEADLINE_SECS)
+        logging.flush()
+        os._exit(1)
 
 
 def wait_for_ps(task: Task, timeout: float) -> None:

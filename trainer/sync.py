@@ -24,8 +24,9 @@ The protocol for global step `t`, with N workers of which R are aggregated
    `sync/admitted`, so a step cancelled halfway can be retried.
 4. The chief sums the admitted rows and divides by their example count,
    which is the gradient of the union of their slices (the whole global
-   batch when R = N), applies it, sets global_step = t + 1 and puts t + 1 in
-   every worker's token queue.
+   batch when R = N), applies it, adds the admitted workers to
+   `sync/contributions`, sets global_step = t + 1 and puts t + 1 in every
+   worker's token queue.
 
 A worker receives token t + 1 only after step t is applied, so it never
 runs ahead; it writes only its own row and is admitted once, so no step
@@ -127,6 +128,12 @@ class SyncState:
                                      zeros, transient=False)
             self.admitted = _variable("sync/admitted", [num_workers],
                                       tf.float32, zeros, transient=True)
+            # Applied steps that averaged each worker's gradient, counted on
+            # the ps with the step itself: exact even when a worker's
+            # session broke after pushing (its own count lost that call).
+            self.contributions = _variable(
+                "sync/contributions", [num_workers], tf.int64, zeros,
+                transient=True)
             self.stats = _variable("sync/stats", [num_workers, NUM_STATS],
                                    tf.float32, zeros, transient=True)
             self.stop_reason = _variable(
@@ -296,6 +303,10 @@ class SyncState:
         with tf.device(self.shard_devices[0]):
             next_step = step + 1
             with tf.control_dependencies(after):
+                counted = self.contributions.assign_add(tf.cast(
+                    self.admitted.read_value() > 0.5, tf.int64),
+                    read_value=False)
+            with tf.control_dependencies([counted]):
                 advance = [
                     self.global_step.assign(next_step, read_value=False),
                     self.admitted.assign(tf.zeros([self.num_workers]),

@@ -7,6 +7,12 @@ thread reads the global step and the admissions of the current step every
 few seconds (the same session, concurrently), warns while the step stands
 still, naming the workers whose gradients have not arrived, and calls
 `on_timeout` once it has stood still for `timeout_secs`.
+
+A read that fails or takes longer than READ_DEADLINE_SECS counts as a
+step that did not move: when ps 0 is cut off, the blocked training run may
+never fail by itself (TCP keeps retrying a silent peer), and the watchdog
+is then the only thing that ends it. The deadline is kept in Python: a
+RunOptions timeout did not end such a read here.
 """
 
 import threading
@@ -17,6 +23,41 @@ from absl import logging
 
 CHECK_SECS = 2.0
 WARN_EVERY_SECS = 10.0
+READ_DEADLINE_SECS = 5.0
+
+
+class ReadTimedOut(Exception):
+    pass
+
+
+class _BoundedRead:
+    """Calls read() on a helper thread and waits for it at most
+    READ_DEADLINE_SECS. While an earlier call is still blocked, no new one
+    starts: waiting on it again counts as another failed read."""
+
+    def __init__(self, read: Callable):
+        self._read = read
+        self._thread, self._box = None, {}
+
+    def __call__(self):
+        if self._thread is None or not self._thread.is_alive():
+            box = self._box = {}
+
+            def call():
+                try:
+                    box["value"] = self._read()
+                except Exception as e:  # noqa: BLE001 (handed over below)
+                    box["error"] = e
+
+            self._thread = threading.Thread(target=call, daemon=True,
+                                            name="watchdog-read")
+            self._thread.start()
+        self._thread.join(READ_DEADLINE_SECS)
+        if self._thread.is_alive():
+            raise ReadTimedOut(f"no answer in {READ_DEADLINE_SECS} s")
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]
 
 
 class Watchdog:
@@ -24,16 +65,20 @@ class Watchdog:
 
     def __init__(self, read_progress: Callable[[], tuple[int, list]],
                  describe_missing: Callable[[list], str], timeout_secs: float,
-                 on_timeout: Callable[[int, str], None]):
+                 on_timeout: Callable[[int | None, str], None],
+                 unreachable: str = "ps 0, which does not answer"):
         """
         Args:
           read_progress: () -> (global step, admitted flags per worker).
           describe_missing: admitted flags -> who the step waits for.
           timeout_secs: how long the step may stand still.
-          on_timeout: (step, who) -> None, called once, from the thread.
+          on_timeout: (step, who) -> None, called once, from the thread;
+            step is None when no read has succeeded in this busy period.
+          unreachable: `who` when the last reads failed.
         """
-        self._read = read_progress
+        self._read = _BoundedRead(read_progress)
         self._describe = describe_missing
+        self._unreachable = unreachable
         self._timeout = timeout_secs
         self._run_timeout = timeout_secs
         self._on_timeout = on_timeout
@@ -77,7 +122,10 @@ class Watchdog:
                 continue
             try:
                 step, admitted = self._read()
-            except Exception:  # the main thread sees and handles it
+            except Exception:  # noqa: BLE001 (any failure: no progress)
+                if now - since >= self._run_timeout:
+                    self._on_timeout(last_step, self._unreachable)
+                    return
                 continue
             if step != last_step:
                 last_step, since = step, now

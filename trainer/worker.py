@@ -23,7 +23,8 @@ class Worker(WorkerRole):
         # and tells us why; we wait twice that long for it to do so.
         timeout = 2 * self.config.worker_timeout_secs
         with self.watchdog(timeout, lambda at, who: self.give_up(
-                f"global step {at} did not move for {timeout:.0f} s "
+                f"global step {step if at is None else at} did not move "
+                f"for {timeout:.0f} s "
                 f"(2 x --worker_timeout_secs), waiting for {who}; is the "
                 f"chief, {self.task.cluster.describe('worker', 0)}, "
                 "running?")) as dog:

@@ -50,7 +50,7 @@ class Coordination:
     global_step: tf.Tensor        # int64 []
     admitted: tf.Tensor           # float32 [N]: 1 where admitted this step
     resync_step: tf.Tensor        # int64 []: where this worker starts
-    local_steps_in: tf.Tensor     # feed int64 []: steps this worker ran
+    local_steps_in: tf.Tensor     # feed int64 []: gradients this worker pushed
     finish_op: tf.Operation       # reports local_steps_in to the chief
 
 
@@ -68,6 +68,7 @@ class ChiefOps:
     testset_init: object              # (session, images, labels) -> None
     param_values: dict                # parameter name -> float32 tensor
     take_finished: tuple              # dequeue (worker int32, steps int64)
+    contributions: tf.Tensor          # int64 [N]: admitted gradients
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
@@ -236,6 +237,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, sync, optimizer,
                                                   "stop_reason")
         stop_op = sync.stop_op(stop_reason_in)
         take_finished = sync.finished.dequeue()
+        contributions = sync.contributions.read_value()
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     shutdown_ops = []
@@ -257,6 +259,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, sync, optimizer,
         saver=saver, checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),
-        take_finished=take_finished, stop_reason_in=stop_reason_in,
+        take_finished=take_finished, contributions=contributions,
+        stop_reason_in=stop_reason_in,
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=shutdown_ops)

@@ -1,0 +1,73 @@
+"""The watchdog on its own: a stalled step, an unreachable ps, progress."""
+
+import itertools
+import threading
+
+import pytest
+
+from trainer import watchdog as watchdog_lib
+
+
+@pytest.fixture(autouse=True)
+def fast_checks(monkeypatch):
+    monkeypatch.setattr(watchdog_lib, "CHECK_SECS", 0.05)
+    monkeypatch.setattr(watchdog_lib, "READ_DEADLINE_SECS", 0.1)
+
+
+def watch(read, timeout_secs=0.5, wait_secs=3.0):
+    """Runs a busy watchdog over `read`; returns the on_timeout calls."""
+    calls, fired = [], threading.Event()
+
+    def on_timeout(step, who):
+        calls.append((step, who))
+        fired.set()
+
+    dog = watchdog_lib.Watchdog(
+        read, lambda admitted: f"missing {admitted}", timeout_secs,
+        on_timeout, unreachable="ps 0, which does not answer")
+    with dog, dog.busy():
+        fired.wait(wait_secs)
+    return calls
+
+
+def test_a_step_that_stands_still_times_out_naming_who_is_missing():
+    assert watch(lambda: (7, [1.0, 0.0])) == [(7, "missing [1.0, 0.0]")]
+
+
+def test_reads_that_fail_count_as_a_stall():
+    def unreachable():
+        raise TimeoutError("deadline exceeded")
+
+    assert watch(unreachable) == [(None, "ps 0, which does not answer")]
+
+
+def test_a_read_that_blocks_counts_as_a_stall_and_is_not_repeated():
+    release, calls = threading.Event(), []
+
+    def blocked():  # as a session.run to a ps that is cut off
+        calls.append(1)
+        release.wait(10)
+        return 0, []
+
+    try:
+        assert watch(blocked) == [(None, "ps 0, which does not answer")]
+        assert len(calls) == 1  # no pile of blocked reads
+    finally:
+        release.set()
+
+
+def test_failing_reads_after_progress_report_the_last_step_seen():
+    answers = iter([(3, [0.0]), (4, [0.0])])
+
+    def read():
+        answer = next(answers, None)
+        if answer is None:
+            raise TimeoutError("deadline exceeded")
+        return answer
+
+    assert watch(read) == [(4, "ps 0, which does not answer")]
+
+
+def test_a_moving_step_never_times_out():
+    steps = itertools.count()
+    assert watch(lambda: (next(steps), [0.0]), wait_secs=1.5) == []
