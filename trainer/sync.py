@@ -128,12 +128,8 @@ class SyncState:
                                      zeros, transient=False)
             self.admitted = _variable("sync/admitted", [num_workers],
                                       tf.float32, zeros, transient=True)
-            # Applied steps that averaged each worker's gradient, counted on
-            # the ps with the step itself: exact even when a worker's
-            # session broke after pushing (its own count lost that call).
-            self.contributions = _variable(
-                "sync/contributions", [num_workers], tf.int64, zeros,
-                transient=True)
+            self.contributions = _variable(  # see finish_step
+                "sync/contributions", [num_workers], tf.int64, zeros, True)
             self.stats = _variable("sync/stats", [num_workers, NUM_STATS],
                                    tf.float32, zeros, transient=True)
             self.stop_reason = _variable(
@@ -302,6 +298,8 @@ class SyncState:
         """
         with tf.device(self.shard_devices[0]):
             next_step = step + 1
+            # Counted on the ps with the step itself: exact even when a
+            # worker's session broke after pushing (it lost its own count).
             with tf.control_dependencies(after):
                 counted = self.contributions.assign_add(tf.cast(
                     self.admitted.read_value() > 0.5, tf.int64),
