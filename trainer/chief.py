@@ -89,17 +89,25 @@ class Chief(WorkerRole):
         consistent checkpoint to resume from. With step None ps 0 does not
         answer, so nothing can be saved: the last checkpoint stands.
         """
-        if step is None:
-            self._shut_down_ps(failed=True)
-            self.give_up(
-                f"{who} for {self.config.worker_timeout_secs:.0f} s "
-                "(--worker_timeout_secs); stopped; start every task again "
-                "with the same flags to continue from the last checkpoint")
-            return
+        timeout = f"{self.config.worker_timeout_secs:.0f} s"
+        if step is None:  # nothing can be saved or sent through ps 0
+            reason = f"{who} for {timeout} (--worker_timeout_secs)"
+            then = ("stopped; start every task again with the same flags "
+                    "to continue from the last checkpoint")
+        else:
+            reason = (f"{who} sent no gradient for step {step} in {timeout} "
+                      "(--worker_timeout_secs)")
+            self._save_and_stop(logdir, step, reason)
+            then = (f"stopped the run after saving a checkpoint at step "
+                    f"{step}; restart the missing task(s) and start every "
+                    "task again with the same flags to continue from it")
+        # Even when the stop could not be sent, the ps tasks must exit.
+        self._shut_down_ps(failed=True)
+        self.give_up(f"{reason}; {then}")
+
+    def _save_and_stop(self, logdir: pathlib.Path, step: int,
+                       reason: str) -> None:
         ops = self.g.chief
-        reason = (f"{who} sent no gradient for step {step} in "
-                  f"{self.config.worker_timeout_secs:.0f} s "
-                  "(--worker_timeout_secs)")
         with self.g.graph.as_default():
             try:
                 self._save(logdir, step)
@@ -107,12 +115,6 @@ class Chief(WorkerRole):
             except tf.errors.OpError as e:
                 logging.warning("could not save or stop cleanly: %s",
                                 error_summary(e))
-            # Even when the stop could not be sent, the ps tasks must exit.
-            self._shut_down_ps(failed=True)
-        self.give_up(
-            f"{reason}; stopped the run after saving a checkpoint at step "
-            f"{step}; restart the missing task(s) and start every task again "
-            "with the same flags to continue from it")
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         ops = self.g.chief

@@ -106,8 +106,8 @@ def _build_and_save(directory: str, model: str, hidden_units: int,
     """
     graph = tf.Graph()
     with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
-        images = tf.compat.v1.placeholder(tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE],
-                                          name="images")
+        images = tf.compat.v1.placeholder(
+            tf.float32, [None, IMAGE_SIZE, IMAGE_SIZE], name="images")
         # Under SCOPE the model's variables get the parameter names.
         with tf.compat.v1.variable_scope(params_lib.SCOPE):
             logits = model_lib.build(model, tf.expand_dims(images, -1),

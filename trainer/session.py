@@ -53,7 +53,7 @@ class WorkerRole(abc.ABC):
         self.train_steps = config.resolved_train_steps(
             len(mnist.train_labels))
         self.session = None
-        self.local_steps = 0      # steps this worker computed, all sessions
+        self.local_steps = 0      # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
         self._stop_reason = None
         self._lock = threading.Lock()
