@@ -4,13 +4,16 @@ import csv
 import importlib.util
 import json
 import math
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
-from trainer.bench import dashboard
+from trainer.bench import dashboard, runs
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
@@ -117,3 +120,27 @@ def test_benchmark_refuses_bad_settings_before_any_run(tmp_path, make_args,
     assert phrase in result.stdout
     assert "Traceback" not in result.stdout
     assert "starting" not in result.stdout  # no run was started
+
+
+def test_a_failed_process_ends_its_run_at_once():
+    """A ps would wait for a dead chief until the run's timeout: the
+    benchmark stops the rest of a run as soon as one process fails."""
+    def python(code, **kwargs):
+        return subprocess.Popen([sys.executable, "-c", code], text=True,
+                                **kwargs)
+
+    chief = python("import time; print('step 1/9 x ETA 0:00:09'); "
+                   "time.sleep(0.5); raise SystemExit(3)",
+                   stdout=subprocess.PIPE)
+    waiting_ps = python("import time; time.sleep(120)")
+    started = time.monotonic()
+    try:
+        statuses = runs.stream([chief, waiting_ps], "test run", timeout=100)
+    finally:
+        for p in (chief, waiting_ps):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert statuses[0] == 3
+    assert statuses[1] == -15  # SIGTERM from the benchmark, not its own end
+    assert time.monotonic() - started < 15

@@ -84,8 +84,12 @@ class Run:
 
 def stream(processes: list, label: str, timeout: float) -> list[int]:
     """Waits for processes, logging a progress line per log interval of
-    the first (the chief); kills them all on timeout. On failure, logs the
-    end of the chief's output."""
+    the first (the chief); returns their exit statuses.
+
+    A run is over as soon as one of its processes fails: the others would
+    wait for it (a ps for the chief's shutdown, a worker for its peers)
+    until the timeout, so they are stopped at once. On timeout all are
+    killed. On failure, logs the end of the chief's output."""
     tail = collections.deque(maxlen=30)
 
     def relay():
@@ -98,22 +102,36 @@ def stream(processes: list, label: str, timeout: float) -> list[int]:
     reader = threading.Thread(target=relay, daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout
-    statuses = []
-    for process in processes:
-        try:
-            statuses.append(process.wait(
-                timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            logging.error("%s: no end after %.0f s; killing it", label,
-                          timeout)
-            for p in processes:
-                p.kill()
-            statuses.append(process.wait())
+    while any(p.poll() is None for p in processes):
+        failed = [(i, p.returncode) for i, p in enumerate(processes)
+                  if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            logging.error("%s: %s; stopping its processes", label,
+                          f"process {failed[0][0]} exited with status "
+                          f"{failed[0][1]}" if failed else
+                          f"no end after {timeout:.0f} s")
+            _stop_all(processes)
+            break
+        time.sleep(0.2)
+    statuses = [p.wait() for p in processes]
     reader.join(timeout=10)
     if any(statuses):
         logging.error("%s failed (exit statuses %s); its last lines:\n%s",
                       label, statuses, "\n".join(tail))
     return statuses
+
+
+def _stop_all(processes: list, grace_secs: float = 10.0) -> None:
+    """SIGTERM to every process still running, SIGKILL after grace_secs."""
+    running = [p for p in processes if p.poll() is None]
+    for p in running:
+        p.terminate()
+    end = time.monotonic() + grace_secs
+    for p in running:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def child_env(**changes) -> dict:
