@@ -66,13 +66,17 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
               *flags)
     reference_dir, reference = train(tmp_path, data, 1, *common)
     expected = final_parameters(reference_dir)
-    worker_counts = (2, 3) if model == "mlp" else (2,)
-    for workers in worker_counts:
-        logdir, results = train(tmp_path, data, workers, *common)
+    runs = ([(2,), (3,), (3, "--ordered_pulls")] if model == "mlp"
+            else [(2,)])
+    for workers, *extra in runs:
+        logdir, results = train(
+            tmp_path, data, workers, *common, *extra,
+            logdir=tmp_path / f"{workers}_workers{''.join(extra)}")
         difference = max_relative_difference(expected,
                                              final_parameters(logdir))
-        print(f"{model}: 1 vs {workers} workers, global batch 64: largest "
-              f"relative parameter difference {difference:.3g}")
+        shape = " ".join([f"{workers} workers", *extra])
+        print(f"{model}: 1 vs {shape}, global batch 64: largest relative "
+              f"parameter difference {difference:.3g}")
         assert difference <= 1e-5
         assert results["global_step"] == STEPS
         assert results["local_steps"] == {str(k): STEPS

@@ -70,8 +70,9 @@ def assert_same_as_reference(logdir, reference):
           f"the fault: {difference:.3g}")
 
 
-def test_worker_killed_and_restarted(cluster, tmp_path, reference):
-    c = cluster(2, "--worker_timeout_secs=60")
+@pytest.mark.parametrize("order", ["", "--ordered_pulls"])
+def test_worker_killed_and_restarted(cluster, tmp_path, reference, order):
+    c = cluster(2, "--worker_timeout_secs=60", *filter(None, [order]))
     start_all(c, 2)
     c.wait_for("worker0", r"step 100/")
     c.kill("worker1")
@@ -121,8 +122,9 @@ def test_missing_worker_stops_the_run_then_a_restart_goes_on(
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
-def test_chief_killed_and_restarted(cluster, tmp_path, reference):
-    c = cluster(2, "--worker_timeout_secs=60")
+@pytest.mark.parametrize("order", ["", "--ordered_pulls"])
+def test_chief_killed_and_restarted(cluster, tmp_path, reference, order):
+    c = cluster(2, "--worker_timeout_secs=60", *filter(None, [order]))
     start_all(c, 2)
     reached = int(c.wait_for("worker0", r"step (1[2-9]0)/").group(1))
     c.kill("worker0")

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
+from trainer import config as config_lib
 from trainer import sync
 from trainer.errors import UserError
 
@@ -338,3 +339,88 @@ def test_bytes_crossing_between_ps_and_worker(cluster, dtype, width):
 def test_other_wire_dtypes_are_refused(bad):
     with tf.Graph().as_default(), pytest.raises(UserError, match="bfloat16"):
         sync.SyncState(1, 1, SHARDS, ["/job:ps/task:0"] * 2, "test", bad)
+
+
+# --- Ordered pulls: worker k reads the parameters after worker k - 1.
+
+
+class PullTurns:
+    """The turn ops of SyncState(ordered_pulls=True) for 3 workers, fed
+    with the step; `passes[k]` hands worker k + 1 its turn."""
+
+    def __init__(self, target, num_workers=3):
+        self.graph = tf.Graph()
+        devices = ["/job:ps/task:0", "/job:ps/task:1"]
+        with self.graph.as_default():
+            self.state = sync.SyncState(num_workers, num_workers, SHARDS,
+                                        devices, "test", ordered_pulls=True)
+            with tf.device(devices[0]):
+                self.step_in = tf.compat.v1.placeholder(tf.int64, [])
+            with tf.device("/job:worker/task:0"):
+                received = tf.identity(self.step_in)  # "its parameters"
+            self.waits = [self.state.pull_turns.wait(k, self.step_in)
+                          for k in range(num_workers)]
+            self.passes = [self.state.pull_turns.pass_on(k, self.step_in,
+                                                     [received])
+                           for k in range(num_workers)]
+            self.resyncs = [self.state.resync_step(k)
+                            for k in range(num_workers)]
+            self.queued = [q.size() for q in self.state.pull_turns.queues]
+            self.start = self.state.start_op()
+            init = tf.compat.v1.global_variables_initializer()
+        self.session = tf.compat.v1.Session(target, graph=self.graph)
+        self.session.run(init)
+
+    def run(self, fetch, step=None, timeout_secs=20.0):
+        return self.session.run(
+            fetch, {self.step_in: step} if step is not None else None,
+            options=tf.compat.v1.RunOptions(
+                timeout_in_ms=int(timeout_secs * 1000)))
+
+
+def test_ordered_pulls_wait_for_the_previous_worker(cluster):
+    turns = PullTurns(cluster)
+    assert turns.run(turns.waits[0], step=0) == 0  # the chief never waits
+    assert turns.passes[2] == []                    # the last passes to nobody
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        turns.run(turns.waits[1], step=0, timeout_secs=1.0)
+    turns.run(turns.passes[0], step=0)
+    assert turns.run(turns.waits[1], step=0) == 0
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        turns.run(turns.waits[2], step=0, timeout_secs=1.0)
+    turns.run(turns.passes[1], step=0)
+    assert turns.run(turns.waits[2], step=0) == 0
+    assert turns.run(turns.queued) == [0, 0, 0]
+
+
+def test_a_stale_turn_is_skipped_and_a_restart_takes_its_own(cluster):
+    turns = PullTurns(cluster)
+    turns.run(turns.passes[0], step=4)  # a turn worker 1 never took
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        turns.run(turns.waits[1], step=5, timeout_secs=1.0)
+    assert turns.run(turns.queued[1]) == 0  # the stale turn is gone
+    turns.run(turns.passes[0], step=5)
+    assert turns.run(turns.waits[1], step=5) == 5
+    # Worker 2 restarts at global step 0: it need not wait for worker 1.
+    assert turns.run(turns.resyncs[2]) == 0
+    assert turns.run(turns.waits[2], step=0, timeout_secs=5.0) == 0
+
+
+def test_ordered_pulls_and_backup_workers_are_refused():
+    config = config_lib.TrainConfig(logdir="x", ordered_pulls=True,
+                                    backup_workers=1)
+    with pytest.raises(UserError, match="--ordered_pulls and "
+                       "--backup_workers do not mix"):
+        config_lib.validate(config, num_workers=3)
+
+
+def test_a_restarted_chief_releases_workers_waiting_for_a_turn(cluster):
+    """Worker 1 waits for its turn for step 9, which the old chief never
+    passed; the new chief restored step 5 and starts from there."""
+    turns = PullTurns(cluster)
+    turns.run(turns.passes[0], step=5)  # stale by the time worker 1 waits
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        turns.run(turns.waits[1], step=9, timeout_secs=1.0)
+    turns.run(turns.start)
+    assert turns.run(turns.waits[1], step=9) == 9
+    assert turns.run(turns.waits[2], step=9) == 9

@@ -41,6 +41,7 @@ class TrainConfig:
     worker_timeout_secs: float = 120.0
     trace_steps: str | None = None     # "A:B": trace global steps [A, B)
     wire_dtype: str = "float32"        # parameters and gradients on links
+    ordered_pulls: bool = False        # workers read parameters in turn
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
@@ -116,6 +117,10 @@ def validate(config: TrainConfig, num_workers: int) -> None:
             f"--backup_workers={config.backup_workers} must be at least 0 "
             f"and less than the {num_workers} worker(s), so that at least "
             "one gradient is averaged per step")
+    if config.ordered_pulls and config.backup_workers:
+        raise UserError(
+            "--ordered_pulls and --backup_workers do not mix: a late worker "
+            "would hold back the pulls of every worker after it; drop one")
     if config.batch_size < num_workers:
         raise UserError(
             f"--batch_size={config.batch_size} is smaller than the "

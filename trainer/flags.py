@@ -61,6 +61,12 @@ flags.DEFINE_enum("wire_dtype", "float32", list(WIRE_DTYPES),
                   "workers and ps tasks; the ps keeps, sums and applies in "
                   "float32. bfloat16 halves the bytes (float16 may overflow "
                   "on gradient sums).")
+flags.DEFINE_boolean("ordered_pulls", False,
+                     "Workers read the parameters one at a time, in worker "
+                     "order, so the first computes and pushes while the "
+                     "others still pull: for a step bound by a ps link's "
+                     "bandwidth (README, Across machines). Not with "
+                     "--backup_workers.")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "
@@ -151,7 +157,8 @@ def config_from_flags() -> TrainConfig:
         inter_op_threads=FLAGS.inter_op_threads,
         startup_timeout_secs=FLAGS.startup_timeout_secs,
         worker_timeout_secs=FLAGS.worker_timeout_secs,
-        trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype)
+        trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
+        ordered_pulls=FLAGS.ordered_pulls)
 
 
 def task_from_flags() -> cluster_lib.Task:

@@ -12,7 +12,8 @@ The protocol for global step `t`, with N workers of which R are aggregated
 1. Worker k learns `t`: the chief from its own loop, every other worker
    from its token queue `sync/tokens_<k>` (on ps 0), which only the chief
    fills. The parameters are read after the token, so they already hold
-   step t-1's update.
+   step t-1's update (with ordered pulls, by worker k > 0 only after
+   worker k - 1: trainer/pull_turns.py).
 2. Worker k writes the sum of its per-example gradients into row k of the
    gradient slot variable of every ps shard, and (examples, loss sum,
    correct predictions) into row k of `sync/stats`. Then it enqueues the
@@ -32,20 +33,15 @@ A worker receives token t + 1 only after step t is applied, so it never
 runs ahead; it writes only its own row and is admitted once, so no step
 averages two of its gradients.
 
-The wire dtype (`SyncState(..., wire_dtype=)`, see trainer/wire.py) is the
-format of the parameters (step 1's read) and the gradient sums (step 2's
-write) while they cross between a ps and a worker: float32 by default, or
-bfloat16 to halve the bytes when the links' bandwidth bounds the step. The
-ps rounds its shard to the wire dtype before sending it and turns the
-gradient rows back into float32 on arrival; the worker does the opposite.
-Variables, sums, means and the update stay float32 on the ps, and the step
-and statistics cross bit-exact. The workers' rounding of the gradients is
-the only approximation: the update is the float32 mean of the
-wire-rounded gradient sums, computed on wire-rounded parameters.
+The wire dtype (trainer/wire.py) is the format of the parameters (step
+1's read) and the gradient sums (step 2's write) on the ps links; the ps
+keeps, sums and applies float32, and the step and statistics cross
+bit-exact, so the workers' rounding is the only approximation.
 """
 
 import tensorflow as tf
 
+from trainer import pull_turns
 from trainer import wire
 from trainer.replica import NUM_STATS
 
@@ -100,7 +96,8 @@ class SyncState:
 
     def __init__(self, num_workers: int, replicas_to_aggregate: int,
                  shard_sizes: list[int], shard_devices: list[str],
-                 fingerprint: str, wire_dtype=tf.float32):
+                 fingerprint: str, wire_dtype=tf.float32,
+                 ordered_pulls: bool = False):
         """
         Args:
           num_workers: N, every worker that computes gradients.
@@ -120,6 +117,8 @@ class SyncState:
         self.shard_sizes = shard_sizes
         self.shard_devices = shard_devices
         self.fingerprint = fingerprint
+        self.pull_turns = pull_turns.PullTurns(num_workers, shard_devices[0],
+                                               ordered_pulls)
         zeros = tf.compat.v1.zeros_initializer()
         with tf.device(shard_devices[0]):
             self.global_step = _variable("global_step", [], tf.int64, zeros,
@@ -240,12 +239,16 @@ class SyncState:
 
     def resync_step(self, worker: int) -> tf.Tensor:
         """The step to work on after a (re)start: drop stale tokens, then
-        read the global step (int64 scalar)."""
+        read the global step (int64 scalar); with ordered pulls, also take
+        the turn for it (PullTurns.take_own)."""
         queue = self.tokens[worker]
         with tf.device(self.shard_devices[0]):
             drained = queue.dequeue_many(queue.size())
             with tf.control_dependencies([drained]):
-                return self.global_step.read_value()
+                step = self.global_step.read_value()
+            with tf.control_dependencies(
+                    self.pull_turns.take_own(worker, step)):
+                return tf.identity(step)
 
     # --- Chief side ---
 
@@ -319,14 +322,16 @@ class SyncState:
 
         Forgets admissions and arrivals of an interrupted step, then hands
         every worker the current step, which also releases workers that
-        were waiting for a step a previous chief never finished.
+        were waiting for a step a previous chief never finished (and, with
+        ordered pulls, for a turn it never passed).
         """
         with tf.device(self.shard_devices[0]):
             reset = [
                 self.admitted.assign(tf.zeros([self.num_workers]),
                                      read_value=False),
                 self.stop_reason.assign("", read_value=False),
-                self.arrivals.dequeue_many(self.arrivals.size())[0].op]
+                self.arrivals.dequeue_many(self.arrivals.size())[0].op,
+                *self.pull_turns.release_all()]
             with tf.control_dependencies(reset):
                 step = self.global_step.read_value()
                 return tf.group([queue.enqueue(step)
@@ -336,7 +341,8 @@ class SyncState:
         """Tells every worker to stop, with a reason they will log."""
         with tf.device(self.shard_devices[0]):
             with tf.control_dependencies([
-                    self.stop_reason.assign(reason, read_value=False)]):
+                    self.stop_reason.assign(reason, read_value=False),
+                    *self.pull_turns.release_all()]):
                 return tf.group([queue.enqueue(tf.constant(STOP, tf.int64))
                                  for queue in self.tokens[1:]])
 

@@ -17,6 +17,11 @@ instead, which halves the bytes:
 - `float32` (default): no cast at all; the graph is what it was before the
   wire format existed.
 
+Where it applies (trainer/sync.py): the ps rounds its shard to the wire
+dtype before sending it and turns the gradient rows back into float32 on
+arrival; the worker does the opposite. The update is the float32 mean of
+the wire-rounded gradient sums, computed on wire-rounded parameters.
+
 Values that must stay exact (the int64 step, the float32 statistics) ride
 in the same tensors as the rounded values, their bits reinterpreted as
 16-bit elements by `tf.bitcast`: concat and slice copy bits unchanged, so

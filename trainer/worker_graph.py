@@ -37,7 +37,8 @@ def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
             f"model={config.model} hidden_units={config.hidden_units} "
             f"batch_size={config.batch_size} seed={config.seed} "
             f"backup_workers={config.backup_workers} "
-            f"wire_dtype={config.wire_dtype} train_steps={train_steps}")
+            f"wire_dtype={config.wire_dtype} "
+            f"ordered_pulls={config.ordered_pulls} train_steps={train_steps}")
 
 
 @dataclasses.dataclass
@@ -106,7 +107,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 config.replicas_to_aggregate(cluster.num_workers),
                 flat.sizes, [devices.ps_device(i) for i in flat.ps_indices],
                 fingerprint(config, task, train_steps),
-                wire_dtype=config.wire_dtype)
+                wire_dtype=config.wire_dtype,
+                ordered_pulls=config.ordered_pulls)
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
@@ -164,12 +166,14 @@ class _StepBody:
         sync = self.sync
         with tf.device(devices.worker_device(self.k)):
             step_on_worker, shard_values = sync.read_params(
-                step, self.flat.variables)
+                sync.pull_turns.wait(self.k, step), self.flat.variables)
             replica = replica_lib.compute_gradients(
                 self.config, self.flat, self.trainset, step_on_worker,
                 shard_values)
-            pushed = sync.push(self.k, replica.step, replica.shard_grads,
-                               replica.stats)
+            pushed = tf.group(
+                [sync.push(self.k, replica.step, replica.shard_grads,
+                           replica.stats),
+                 *sync.pull_turns.pass_on(self.k, step, shard_values)])
         with tf.device(sync.shard_devices[0]):
             if self.chief_update is not None:
                 next_step, step_stats = self.chief_update(step, pushed)
