@@ -19,7 +19,10 @@ while the ps still sends). So no step can take less than
 
 Measured steps also pay the compute, the latency of a few round trips, and
 gRPC's framing; the ratio measured / bound says how close to the link's
-limit a configuration runs.
+limit a configuration runs. Reaching the bound takes one pull at a time
+(`--ordered_pulls`, trainer/pull_turns.py): when TCP shares the link among
+all N pulls, they all end near N transfer times, and the N gradients then
+share the way in, up to 2N transfer times in all.
 """
 
 import contextlib
