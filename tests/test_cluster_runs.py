@@ -98,6 +98,12 @@ def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
     assert results["num_ps"] == 2
     assert max_relative_difference(
         expected, final_parameters(sharded_dir)) <= 1e-5
+    # And with ordered pulls, each shard serving the workers in its order.
+    ordered_dir, _ = train(tmp_path, fake_data, 3, *common, "--ordered_pulls",
+                           f"--train_steps={STEPS}", num_ps=2,
+                           logdir=tmp_path / "ordered")
+    assert max_relative_difference(
+        expected, final_parameters(ordered_dir)) <= 1e-5
     # Half the steps on 2 ps + 2 workers, the rest after a restart on
     # 1 ps + 3 workers from the same logdir.
     resumed = tmp_path / "resumed"

@@ -341,12 +341,13 @@ def test_other_wire_dtypes_are_refused(bad):
         sync.SyncState(1, 1, SHARDS, ["/job:ps/task:0"] * 2, "test", bad)
 
 
-# --- Ordered pulls: worker k reads the parameters after worker k - 1.
+# --- Ordered pulls: shard s goes to workers s, s + 1, ... (mod N) in turn.
 
 
 class PullTurns:
-    """The turn ops of SyncState(ordered_pulls=True) for 3 workers, fed
-    with the step; `passes[k]` hands worker k + 1 its turn."""
+    """The turn ops of SyncState(ordered_pulls=True) for 3 workers and the
+    2 shards, fed with the step: `waits[k][s]` is worker k's wait for
+    shard s, `passes[k]` hands on every turn worker k holds."""
 
     def __init__(self, target, num_workers=3):
         self.graph = tf.Graph()
@@ -354,18 +355,18 @@ class PullTurns:
         with self.graph.as_default():
             self.state = sync.SyncState(num_workers, num_workers, SHARDS,
                                         devices, "test", ordered_pulls=True)
+            turns = self.state.pull_turns
             with tf.device(devices[0]):
                 self.step_in = tf.compat.v1.placeholder(tf.int64, [])
             with tf.device("/job:worker/task:0"):
                 received = tf.identity(self.step_in)  # "its parameters"
-            self.waits = [self.state.pull_turns.wait(k, self.step_in)
+            self.waits = [turns.wait(k, self.step_in)
                           for k in range(num_workers)]
-            self.passes = [self.state.pull_turns.pass_on(k, self.step_in,
-                                                     [received])
+            self.passes = [turns.pass_on(k, self.step_in, [received] * 2)
                            for k in range(num_workers)]
             self.resyncs = [self.state.resync_step(k)
                             for k in range(num_workers)]
-            self.queued = [q.size() for q in self.state.pull_turns.queues]
+            self.queued = tf.add_n([q.size() for q in turns.queues.values()])
             self.start = self.state.start_op()
             init = tf.compat.v1.global_variables_initializer()
         self.session = tf.compat.v1.Session(target, graph=self.graph)
@@ -377,33 +378,49 @@ class PullTurns:
             options=tf.compat.v1.RunOptions(
                 timeout_in_ms=int(timeout_secs * 1000)))
 
+    def blocks(self, worker, shard, step):
+        with pytest.raises(tf.errors.DeadlineExceededError):
+            self.run(self.waits[worker][shard], step, timeout_secs=1.0)
+        return True
+
 
 def test_ordered_pulls_wait_for_the_previous_worker(cluster):
     turns = PullTurns(cluster)
-    assert turns.run(turns.waits[0], step=0) == 0  # the chief never waits
-    assert turns.passes[2] == []                    # the last passes to nobody
-    with pytest.raises(tf.errors.DeadlineExceededError):
-        turns.run(turns.waits[1], step=0, timeout_secs=1.0)
-    turns.run(turns.passes[0], step=0)
-    assert turns.run(turns.waits[1], step=0) == 0
-    with pytest.raises(tf.errors.DeadlineExceededError):
-        turns.run(turns.waits[2], step=0, timeout_secs=1.0)
-    turns.run(turns.passes[1], step=0)
-    assert turns.run(turns.waits[2], step=0) == 0
-    assert turns.run(turns.queued) == [0, 0, 0]
+    # The first of each order never waits: worker 0 for shard 0, 1 for 1.
+    assert turns.run(turns.waits[0][0], step=0) == 0
+    assert turns.run(turns.waits[1][1], step=0) == 0
+    assert turns.blocks(1, 0, step=0) and turns.blocks(0, 1, step=0)
+    turns.run(turns.passes[0], step=0)        # shard 0: 0 -> 1
+    assert turns.run(turns.waits[1][0], step=0) == 0
+    assert turns.blocks(2, 0, step=0) and turns.blocks(2, 1, step=0)
+    turns.run(turns.passes[1], step=0)        # shards 0 and 1: 1 -> 2
+    assert turns.run(turns.waits[2], step=0) == [0, 0]
+    assert turns.blocks(0, 1, step=0)
+    turns.run(turns.passes[2], step=0)        # shard 1: 2 -> 0
+    assert turns.run(turns.waits[0][1], step=0) == 0
+    assert turns.run(turns.queued) == 0
 
 
 def test_a_stale_turn_is_skipped_and_a_restart_takes_its_own(cluster):
     turns = PullTurns(cluster)
     turns.run(turns.passes[0], step=4)  # a turn worker 1 never took
-    with pytest.raises(tf.errors.DeadlineExceededError):
-        turns.run(turns.waits[1], step=5, timeout_secs=1.0)
-    assert turns.run(turns.queued[1]) == 0  # the stale turn is gone
+    assert turns.blocks(1, 0, step=5)
+    assert turns.run(turns.queued) == 0  # the stale turn is gone
     turns.run(turns.passes[0], step=5)
-    assert turns.run(turns.waits[1], step=5) == 5
+    assert turns.run(turns.waits[1][0], step=5) == 5
     # Worker 2 restarts at global step 0: it need not wait for worker 1.
     assert turns.run(turns.resyncs[2]) == 0
-    assert turns.run(turns.waits[2], step=0, timeout_secs=5.0) == 0
+    assert turns.run(turns.waits[2], step=0, timeout_secs=5.0) == [0, 0]
+
+
+def test_a_restarted_chief_releases_workers_waiting_for_a_turn(cluster):
+    """Workers wait for turns for step 9 that the old chief's run never
+    passed; the new chief restored step 5 and starts from there."""
+    turns = PullTurns(cluster)
+    turns.run(turns.passes[0], step=5)  # stale by the time worker 1 waits
+    assert turns.blocks(1, 0, step=9)
+    turns.run(turns.start)
+    assert turns.run(turns.waits, step=9) == [[9, 9]] * 3
 
 
 def test_ordered_pulls_and_backup_workers_are_refused():
@@ -412,15 +429,3 @@ def test_ordered_pulls_and_backup_workers_are_refused():
     with pytest.raises(UserError, match="--ordered_pulls and "
                        "--backup_workers do not mix"):
         config_lib.validate(config, num_workers=3)
-
-
-def test_a_restarted_chief_releases_workers_waiting_for_a_turn(cluster):
-    """Worker 1 waits for its turn for step 9, which the old chief never
-    passed; the new chief restored step 5 and starts from there."""
-    turns = PullTurns(cluster)
-    turns.run(turns.passes[0], step=5)  # stale by the time worker 1 waits
-    with pytest.raises(tf.errors.DeadlineExceededError):
-        turns.run(turns.waits[1], step=9, timeout_secs=1.0)
-    turns.run(turns.start)
-    assert turns.run(turns.waits[1], step=9) == 9
-    assert turns.run(turns.waits[2], step=9) == 9

@@ -10,11 +10,15 @@ so the step takes about N + 1 transfer times: the ps-link bound of
 trainer/bench/simulated.py. On a link that does not bound the step the
 order only adds a small message per worker (see the README's figures).
 
-How: a queue of step numbers per worker, `sync/pull_turn_<k>` on ps 0.
-Worker k > 0 reads the parameters for step t only after taking a turn
->= t from its queue (turns for earlier steps are stale: taken and
-skipped); worker k - 1 puts t there once its own parameters for step t
-have arrived. Worker 0 (the chief) never waits.
+How: per ps shard s, a queue of step numbers per worker,
+`sync/pull_turn_<s>_<k>` on that shard's ps. Shard s serves the workers
+in the order s, s + 1, ..., s + N - 1 (mod N): with several ps tasks each
+starts with another worker, so that no worker's own link has to take two
+shards at once while the other links idle. A worker reads shard s for
+step t only after taking a turn >= t from its queue (turns for earlier
+steps are stale: taken and skipped); its predecessor in that order puts t
+there once its own copy of shard s for step t has arrived. The first
+worker of each order (worker 0 for shard 0) never waits.
 
 A turn lost with a process must not hold up the workers after it:
   * a (re)started worker gives itself the turn for its first step;
@@ -35,55 +39,74 @@ _QUEUE_CAPACITY = 1 << 30
 
 
 class PullTurns:
-    """The turn queues on `device` (ps 0's), or, unless `ordered`, none:
-    then every method lets the pulls go as they come. Every worker builds
-    it alike; the queues are matched by shared_name."""
+    """The turn queues, each on its shard's ps device, or, unless
+    `ordered`, none: then every method lets the pulls go as they come.
+    Every worker builds it alike; the queues are matched by shared_name."""
 
-    def __init__(self, num_workers: int, device: str, ordered: bool):
-        self.num_workers, self.device = num_workers, device
+    def __init__(self, num_workers: int, shard_devices: list[str],
+                 ordered: bool):
+        self.num_workers, self.devices = num_workers, shard_devices
         self.ordered = ordered
-        with tf.device(device):
-            self.queues = [
-                tf.queue.FIFOQueue(_QUEUE_CAPACITY, [tf.int64], shapes=[[]],
-                                   shared_name=f"sync/pull_turn_{k}",
-                                   name=f"sync_pull_turn_{k}")
-                for k in range(num_workers if ordered else 0)]
+        self.queues = {}  # (shard, worker) -> queue of step numbers
+        for s, device in enumerate(shard_devices if ordered else []):
+            with tf.device(device):
+                for k in range(num_workers):
+                    self.queues[s, k] = tf.queue.FIFOQueue(
+                        _QUEUE_CAPACITY, [tf.int64], shapes=[[]],
+                        shared_name=f"sync/pull_turn_{s}_{k}",
+                        name=f"sync_pull_turn_{s}_{k}")
 
-    def wait(self, worker: int, step: tf.Tensor) -> tf.Tensor:
-        """`step` (int64 [], on ps 0), available once `worker` may read
-        the parameters for it."""
-        if not self.ordered or worker == 0:
-            return step
-        queue = self.queues[worker]
-        with tf.device(self.device):
-            (turn,) = tf.while_loop(
-                lambda turn: turn < step, lambda turn: [queue.dequeue()],
-                [tf.constant(-1, tf.int64)], parallel_iterations=1)
-            with tf.control_dependencies([turn]):
-                return tf.identity(step)
+    def _first(self, shard: int) -> int:
+        return shard % self.num_workers
+
+    def wait(self, worker: int, step: tf.Tensor) -> list:
+        """Per shard, `step` (int64 [], on the shard's ps), available once
+        `worker` may read that shard for it."""
+        ready = []
+        for s, device in enumerate(self.devices):
+            if not self.ordered or worker == self._first(s):
+                ready.append(step)
+                continue
+            queue = self.queues[s, worker]
+            with tf.device(device):
+                (turn,) = tf.while_loop(
+                    lambda turn: turn < step, lambda turn: [queue.dequeue()],
+                    [tf.constant(-1, tf.int64)], parallel_iterations=1)
+                with tf.control_dependencies([turn]):
+                    ready.append(tf.identity(step))
+        return ready
 
     def pass_on(self, worker: int, step: tf.Tensor, received: list) -> list:
-        """Ops giving worker + 1 its turn for `step` once `received`
-        (worker's parameters, on the worker) are there; [] for the last."""
-        if not self.ordered or worker + 1 == self.num_workers:
-            return []
-        # A control edge from the worker to ps 0: a few bytes cross back.
-        with tf.device(self.device), tf.control_dependencies(received):
-            return [self.queues[worker + 1].enqueue(step)]
-
-    def take_own(self, worker: int, step: tf.Tensor) -> list:
-        """Ops giving `worker` itself the turn for `step`, after a
-        (re)start: the one its predecessor passed may have gone to the
-        process it replaces."""
+        """Ops giving the next worker of each shard's order its turn for
+        `step` once `received[s]` (worker's copy of shard s, on the
+        worker) is there; none from the last of an order."""
         if not self.ordered:
             return []
-        with tf.device(self.device):
-            return [self.queues[worker].enqueue(step)]
+        passes = []
+        following = (worker + 1) % self.num_workers
+        for s, device in enumerate(self.devices):
+            if following == self._first(s):
+                continue
+            # A control edge from the worker to the ps: a few bytes.
+            with tf.device(device), tf.control_dependencies([received[s]]):
+                passes.append(self.queues[s, following].enqueue(step))
+        return passes
+
+    def take_own(self, worker: int, step: tf.Tensor) -> list:
+        """Ops giving `worker` itself its turns for `step`, after a
+        (re)start: the ones its predecessors passed may have gone to the
+        process it replaces."""
+        return self._put(step, [worker])
 
     def release_all(self) -> list:
         """Ops that let every waiting worker through (module docstring)."""
-        if not self.ordered:
-            return []
-        with tf.device(self.device):
-            release = tf.constant(RELEASE, tf.int64)
-            return [queue.enqueue(release) for queue in self.queues[1:]]
+        return self._put(tf.constant(RELEASE, tf.int64),
+                         range(self.num_workers))
+
+    def _put(self, value: tf.Tensor, workers) -> list:
+        ops = []
+        for (s, k), queue in self.queues.items():
+            if k in workers and k != self._first(s):
+                with tf.device(self.devices[s]):
+                    ops.append(queue.enqueue(value))
+        return ops

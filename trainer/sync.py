@@ -117,7 +117,7 @@ class SyncState:
         self.shard_sizes = shard_sizes
         self.shard_devices = shard_devices
         self.fingerprint = fingerprint
-        self.pull_turns = pull_turns.PullTurns(num_workers, shard_devices[0],
+        self.pull_turns = pull_turns.PullTurns(num_workers, shard_devices,
                                                ordered_pulls)
         zeros = tf.compat.v1.zeros_initializer()
         with tf.device(shard_devices[0]):
@@ -160,26 +160,27 @@ class SyncState:
 
     # --- Worker side ---
 
-    def read_params(self, step: tf.Tensor, shard_variables: list) -> tuple:
-        """Reads every shard after `step` is known; returns (step, values).
+    def read_params(self, step: tf.Tensor, shard_variables: list,
+                    ready: list | None = None) -> tuple:
+        """Reads every shard s after `step` and `ready[s]` (its pull turn,
+        PullTurns.wait) are known; returns (step, values).
 
-        `step` (int64, on ps 0) travels inside shard 0's tensor, so the
-        worker gets the parameters and the step number in one transfer.
-        Each ps rounds its shard to the wire dtype before it crosses; the
-        step's 64 bits ride as 2 (float32) or 4 (16-bit) wire elements, so
-        it arrives exact. Returns the step (int64 []) and the shard values
-        (float32 [n_s] each) as tensors on the current (worker) device.
+        `step` (int64, on ps 0) rides exact inside shard 0's tensor, which
+        its ps, like every ps its shard, rounds to the wire dtype: one
+        transfer per shard. Returns the step (int64 []) and the shard
+        values (float32 [n_s] each) on the current (worker) device.
         """
         dtype = self.wire_dtype
+        ready = ready or [step] * len(shard_variables)
         with tf.device(self.shard_devices[0]), \
-                tf.control_dependencies([step]):
+                tf.control_dependencies([step, ready[0]]):
             packed = tf.concat(
                 [wire.to_wire(shard_variables[0].read_value(), dtype),
                  wire.bits_to_wire(tf.cast(step, tf.int64), dtype)], axis=0)
         sent = []
-        for variable, device in zip(shard_variables[1:],
-                                    self.shard_devices[1:]):
-            with tf.device(device), tf.control_dependencies([step]):
+        for variable, device, after in zip(shard_variables[1:],
+                                           self.shard_devices[1:], ready[1:]):
+            with tf.device(device), tf.control_dependencies([step, after]):
                 sent.append(wire.to_wire(variable.read_value(), dtype))
         value0, step_bits = _unpack(
             packed, [self.shard_sizes[0], wire.exact_size(tf.int64, 1, dtype)])

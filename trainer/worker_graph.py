@@ -166,7 +166,7 @@ class _StepBody:
         sync = self.sync
         with tf.device(devices.worker_device(self.k)):
             step_on_worker, shard_values = sync.read_params(
-                sync.pull_turns.wait(self.k, step), self.flat.variables)
+                step, self.flat.variables, sync.pull_turns.wait(self.k, step))
             replica = replica_lib.compute_gradients(
                 self.config, self.flat, self.trainset, step_on_worker,
                 shard_values)
