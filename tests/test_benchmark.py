@@ -13,7 +13,8 @@ import pytest
 from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
-from trainer.bench import dashboard, runs
+from trainer.bench import dashboard, runs, simulated
+from trainer.config import TrainConfig
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
@@ -144,3 +145,19 @@ def test_a_failed_process_ends_its_run_at_once():
     assert statuses[0] == 3
     assert statuses[1] == -15  # SIGTERM from the benchmark, not its own end
     assert time.monotonic() - started < 15
+
+
+def test_the_ps_link_bound():
+    """(N x S + P) x W x 8 / R: N workers pull the largest shard S in turn,
+    then the last pushes all P parameters' gradient over its own link."""
+    mlp = TrainConfig(logdir="x", model="mlp")  # 101,770 parameters
+    float32_ms = 1000 * (4 * 101_770 + 101_770) * 4 * 8 / 100e6
+    assert simulated.ps_link_bound_ms(mlp, 1, 4, int(100e6)) == \
+        pytest.approx(float32_ms)
+    bf16 = TrainConfig(logdir="x", model="mlp", wire_dtype="bfloat16")
+    assert simulated.ps_link_bound_ms(bf16, 1, 4, int(100e6)) == \
+        pytest.approx(float32_ms / 2)
+    # Two ps tasks, the parameters cut by bytes: half each (to an element).
+    halves_ms = 1000 * (4 * 50_885 + 101_770) * 4 * 8 / 100e6
+    assert simulated.ps_link_bound_ms(mlp, 2, 4, int(100e6)) == \
+        pytest.approx(halves_ms, rel=1e-4)

@@ -10,12 +10,16 @@ W bytes on the wire (4 for float32, 2 for bfloat16), carries N x S x W
 bytes out (parameters) and as many in (gradients). The simulated link
 shapes each direction to R bits/s (tbf on both ends of the veth). However
 the ps orders its sends, the last worker has its parameters no earlier
-than N x S x W x 8 / R after the step starts, and its gradient, S x W
-bytes that it can only compute once it has all of them, then needs
-S x W x 8 / R more on the way in (the other workers' gradients travel
-while the ps still sends). So no step can take less than
+than N x S x W x 8 / R after the step starts. Its gradient, P x W bytes
+for all P parameters (P = S with one ps), can only be computed then, and
+leaves through that worker's own link: P x W x 8 / R more. So no step can
+take less than
 
-    bound = (N + 1) x S x W x 8 / R  seconds.
+    bound = (N x S + P) x W x 8 / R  seconds,
+
+which is (N + 1) x S x W x 8 / R with one ps task. (tbf lets a link that
+was idle send a burst of 10 ms of data at line speed, so a step can come
+in a little under it.)
 
 Measured steps also pay the compute, the latency of a few round trips, and
 gRPC's framing; the ratio measured / bound says how close to the link's
@@ -58,17 +62,25 @@ def wire_bytes_per_float(config) -> int:
         "bfloat16", "float16") else 4
 
 
+def _shard_sizes(config, num_ps: int) -> list[int]:
+    return params_lib.FlatLayout(params_lib.plan_shards(
+        replica_lib.model_specs(config), num_ps)).sizes
+
+
 def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
     """Bytes the busiest ps link carries each way per step (see above)."""
-    layout = params_lib.FlatLayout(params_lib.plan_shards(
-        replica_lib.model_specs(config), num_ps))
-    return workers * max(layout.sizes) * wire_bytes_per_float(config)
+    return (workers * max(_shard_sizes(config, num_ps))
+            * wire_bytes_per_float(config))
 
 
 def ps_link_bound_ms(config, num_ps: int, workers: int,
                      rate_bps: int) -> float:
-    each_way = busiest_ps_link_bytes(config, num_ps, workers)
-    return 1000.0 * each_way * (workers + 1) / workers * 8 / rate_bps
+    """The least step time the links allow (see above), in ms."""
+    last_gradient = sum(_shard_sizes(config, num_ps)) * wire_bytes_per_float(
+        config)
+    bytes_in_turn = busiest_ps_link_bytes(config, num_ps, workers) + (
+        last_gradient)
+    return 1000.0 * bytes_in_turn * 8 / rate_bps
 
 
 def run_ps(s: runs_lib.Settings, workers: int, name: str,
