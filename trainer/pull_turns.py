@@ -24,9 +24,11 @@ A turn lost with a process must not hold up the workers after it:
   * a (re)started worker gives itself the turn for its first step;
   * a (re)started chief, and a chief that stops the run, put RELEASE in
     every queue, which lets a waiting worker through whatever step it
-    waits for. Its gradient is then for a step that is over and is
-    dropped like any stale one (trainer/sync.py); a RELEASE nobody waited
-    for lets one later pull through out of order, which costs nothing.
+    waits for. Its gradient counts if the new chief resumed at that very
+    step, and is otherwise for a step that is over and dropped like any
+    stale one (trainer/sync.py); either way only its pull was out of
+    order. A RELEASE nobody waited for lets one later pull through out
+    of order, which costs nothing.
 
 Backup workers and ordered pulls do not mix (trainer/config.py refuses
 it): a late worker would hold back the pulls of every worker after it.
