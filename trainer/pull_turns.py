@@ -36,8 +36,9 @@ it): a late worker would hold back the pulls of every worker after it.
 
 import tensorflow as tf
 
+from trainer import queues
+
 RELEASE = 2**63 - 1
-_QUEUE_CAPACITY = 1 << 30
 
 
 class PullTurns:
@@ -53,10 +54,8 @@ class PullTurns:
         for s, device in enumerate(shard_devices if ordered else []):
             with tf.device(device):
                 for k in range(num_workers):
-                    self.queues[s, k] = tf.queue.FIFOQueue(
-                        _QUEUE_CAPACITY, [tf.int64], shapes=[[]],
-                        shared_name=f"sync/pull_turn_{s}_{k}",
-                        name=f"sync_pull_turn_{s}_{k}")
+                    self.queues[s, k] = queues.step_queue(
+                        f"sync/pull_turn_{s}_{k}")
 
     def _first(self, shard: int) -> int:
         return shard % self.num_workers

@@ -42,12 +42,12 @@ bit-exact, so the workers' rounding is the only approximation.
 import tensorflow as tf
 
 from trainer import pull_turns
+from trainer import queues
 from trainer import wire
 from trainer.replica import NUM_STATS
 
 # Token that tells workers the chief has stopped the run (see stop_reason).
 STOP = -1
-_QUEUE_CAPACITY = 1 << 30
 TRANSIENT = "sync_transient_variables"
 
 
@@ -81,9 +81,7 @@ def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
     Build it under that ps task's device; the chief puts one element in it
     when the run is over: 0 if training finished, 1 if the run failed.
     """
-    return tf.queue.FIFOQueue(_QUEUE_CAPACITY, [tf.int32], shapes=[[]],
-                              shared_name=f"shutdown/ps_{ps_index}",
-                              name=f"shutdown_ps_{ps_index}")
+    return queues.shared_queue(f"shutdown/ps_{ps_index}", [tf.int32], [[]])
 
 
 class SyncState:
@@ -140,17 +138,11 @@ class SyncState:
                 "sync/cluster_fingerprint", [], tf.string,
                 initializer=tf.compat.v1.constant_initializer(fingerprint),
                 trainable=False, use_resource=True, collections=[])
-            self.arrivals = tf.queue.FIFOQueue(
-                _QUEUE_CAPACITY, [tf.int32, tf.int64], shapes=[[], []],
-                shared_name="sync/arrivals", name="sync_arrivals")
-            self.tokens = [
-                tf.queue.FIFOQueue(_QUEUE_CAPACITY, [tf.int64], shapes=[[]],
-                                   shared_name=f"sync/tokens_{k}",
-                                   name=f"sync_tokens_{k}")
-                for k in range(num_workers)]
-            self.finished = tf.queue.FIFOQueue(
-                _QUEUE_CAPACITY, [tf.int32, tf.int64], shapes=[[], []],
-                shared_name="sync/finished", name="sync_finished")
+            pairs = [tf.int32, tf.int64], [[], []]  # (worker, step)
+            self.arrivals = queues.shared_queue("sync/arrivals", *pairs)
+            self.finished = queues.shared_queue("sync/finished", *pairs)
+            self.tokens = [queues.step_queue(f"sync/tokens_{k}")
+                           for k in range(num_workers)]
         self.grads = []
         for s, (size, device) in enumerate(zip(shard_sizes, shard_devices)):
             with tf.device(device):

@@ -75,12 +75,12 @@ def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
 
 def ps_link_bound_ms(config, num_ps: int, workers: int,
                      rate_bps: int) -> float:
-    """The least step time the links allow (see above), in ms."""
-    last_gradient = sum(_shard_sizes(config, num_ps)) * wire_bytes_per_float(
+    """The least step time the links allow (see above), in ms:
+    (N x S + P) x W x 8 / R."""
+    sizes = _shard_sizes(config, num_ps)
+    in_turn = (workers * max(sizes) + sum(sizes)) * wire_bytes_per_float(
         config)
-    bytes_in_turn = busiest_ps_link_bytes(config, num_ps, workers) + (
-        last_gradient)
-    return 1000.0 * bytes_in_turn * 8 / rate_bps
+    return 1000.0 * in_turn * 8 / rate_bps
 
 
 def run_ps(s: runs_lib.Settings, workers: int, name: str,
