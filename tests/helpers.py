@@ -16,7 +16,7 @@ SHARED_MNIST = REPO.parent / "shared" / "mnist"
 
 def free_ports(count: int) -> list[int]:
     """Loopback ports that are free now (the launcher's choice of them)."""
-    from trainer import launcher
+    from trainer.cluster import local as launcher
     return launcher.free_ports("localhost", count)
 
 
@@ -174,7 +174,7 @@ class ManualCluster:
         """Starts a task; workers get the launcher's thread counts, so
         their arithmetic (and so their parameters) matches a launched run
         bit for bit."""
-        from trainer import launcher
+        from trainer.cluster import local as launcher
         name = f"{job}{index}"
         if job == "worker":
             extra = tuple(f"--{flag}={value}" for flag, value in

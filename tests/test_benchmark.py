@@ -13,8 +13,9 @@ import pytest
 from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
-from trainer.bench import dashboard, runs, simulated
-from trainer.config import TrainConfig
+from trainer.bench import dashboard, runs
+from trainer.bench.simhosts import runs as simulated
+from trainer.common.config import TrainConfig
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]

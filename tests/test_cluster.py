@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from trainer import cluster
-from trainer.errors import UserError
+from trainer.cluster import spec as cluster
+from trainer.common.errors import UserError
 
 PS = "ps0.example.com:2222"
 WORKERS = "w0.example.com:2222,w1.example.com:2222,10.0.0.7:2223"

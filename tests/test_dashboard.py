@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 from trainer.bench import dashboard
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 DOMAINS = {"kind": ["ps", "single", "mwms"], "workers": [1, 2],
            "ps_tasks": [0, 1], "model": ["cnn"], "batch": [128],

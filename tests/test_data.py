@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from trainer import data
-from trainer import batches
-from trainer import replica
-from trainer.errors import UserError
+from trainer.learning import data
+from trainer.learning import batches
+from trainer.learning import replica
+from trainer.common.errors import UserError
 
 
 @pytest.fixture

@@ -13,9 +13,11 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from trainer import data as data_lib
-from trainer import export, model, params
-from trainer.errors import UserError
+from trainer.learning import data as data_lib
+from trainer.saving import export
+from trainer.learning import model
+from trainer.learning import params
+from trainer.common.errors import UserError
 
 # Run by a fresh interpreter: loads each export with plain TensorFlow,
 # classifies the saved images and reports the signature it found.

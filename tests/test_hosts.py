@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tests import helpers
-from trainer import hosts
-from trainer.errors import UserError
+from trainer.bench.simhosts import hosts
+from trainer.common.errors import UserError
 
 pytestmark = pytest.mark.hosts
 

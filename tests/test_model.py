@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import model, params
+from trainer.learning import model
+from trainer.learning import params
 
 # Keras' mnist_convnet has 34,826 parameters; ours is the same network.
 EXPECTED_PARAMS = {"softmax": 7850, "mlp": 784 * 128 + 128 + 128 * 10 + 10,

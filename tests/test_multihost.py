@@ -1,6 +1,6 @@
 """Faults only several hosts have: start orders, partitions, a straggler.
 
-Every task runs on a simulated host of its own (trainer/hosts.py: a network
+Every task runs on a simulated host of its own (trainer/bench/simhosts/hosts.py: a network
 namespace with a 1 Gbit/s link and a CPU budget), started by run_ps.sh or
 run_worker.sh with PS_HOSTS and WORKER_HOSTS exactly as on separate
 machines. Training is deterministic (batches, dropout and initialisation
@@ -26,8 +26,8 @@ import pytest
 
 from tests import helpers
 from tests.test_cluster_runs import final_parameters
-from trainer import hosts
-from trainer.errors import UserError
+from trainer.bench.simhosts import hosts
+from trainer.common.errors import UserError
 
 pytestmark = pytest.mark.hosts
 

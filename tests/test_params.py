@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import model, params
+from trainer.learning import model
+from trainer.learning import params
 
 
 def specs_of(name):

@@ -17,8 +17,8 @@ import pytest
 
 from tests import helpers
 from tests import slurm_harness
-from trainer import slurm
-from trainer.errors import UserError
+from trainer.cluster import slurm
+from trainer.common.errors import UserError
 
 HOSTS = {"n[1-3]": ["n1", "n2", "n3"], "n[1-2]": ["n1", "n2"]}
 
@@ -182,7 +182,7 @@ def task_lines(output: str, task: int) -> list[str]:
 
 RESOLVE = """\
 import os, sys
-from trainer import slurm
+from trainer.cluster import slurm
 t = slurm.task_from_slurm(os.environ, num_ps=1, base_port=int(sys.argv[1]))
 print(t.source, t.job_name, t.task_index, t.address, t.is_chief,
       ",".join(t.cluster.ps + t.cluster.workers))

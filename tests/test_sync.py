@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from trainer import config as config_lib
-from trainer import sync
-from trainer.errors import UserError
+from trainer.common import config as config_lib
+from trainer.sync import averaging as sync
+from trainer.common.errors import UserError
 
 SHARDS = [5, 3]
 LEARNING_RATE = 0.5

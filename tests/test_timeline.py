@@ -1,4 +1,4 @@
-"""trainer.timeline: the sweep on hand-made step stats, then real traces of
+"""trainer.observe.timeline: the sweep on hand-made step stats, then real traces of
 a toy step shaped like the trainer's on an in-process ps cluster."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from trainer import timeline
-from trainer.errors import UserError
+from trainer.observe import timeline
+from trainer.common.errors import UserError
 
 WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
 PS = "/job:ps/replica:0/task:0/device:CPU:0"

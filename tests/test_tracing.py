@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
-from trainer import timeline
+from trainer.observe import timeline
 
 pytestmark = pytest.mark.cluster
 STEPS = 40

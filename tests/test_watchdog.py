@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from trainer import watchdog as watchdog_lib
+from trainer.roles import watchdog as watchdog_lib
 
 
 @pytest.fixture(autouse=True)

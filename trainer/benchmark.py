@@ -1,9 +1,270 @@
-"""Accuracy and speed versus worker count: `python -m trainer.benchmark`.
+"""Accuracy and speed versus worker count (`python -m trainer.benchmark`).
 
-The benchmark lives in trainer/bench/benchmark.py; this is its command.
+Runs, one after another and with the same model, seed, global batch and
+steps: a ps cluster for each worker count in --workers, the single-process
+baseline (each of --single_threads intra-op thread counts) and TensorFlow's
+MultiWorkerMirroredStrategy with the same worker counts, each --repeats
+times (the median run by images/s is reported). Reports final test
+accuracy, training time, images/s, efficiency E(N) = images/s / best
+single-process images/s, mean step time, time to --target_accuracy and
+peak memory as a Markdown table on stdout, a CSV, a JSON, TensorBoard
+HParams data (`tensorboard --logdir OUT`) and, with matplotlib, a PNG.
+
+--hosts=local (the default) runs everything on this machine's loopback
+(thread counts follow the local launcher). --hosts=simulated puts every ps
+task and every worker on a simulated host of its own (trainer/bench/simhosts/hosts.py:
+--host_cpu / --ps_cpu cores, --link_rate) and adds the speedup S(N), the
+scaling efficiency S(N)/N and the ps-link bound (trainer/bench/simhosts/runs.py).
+
+Every trainer flag (model, batch, optimizer, steps, ...) applies to every
+run. Traced runs (--trace_steps) add the step breakdown's columns.
 """
 
-from trainer.bench.benchmark import main, run_main  # noqa: F401
+import datetime
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from trainer import flags as trainer_flags
+from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.bench import dashboard
+from trainer.bench import report
+from trainer.bench import runs as runs_lib
+from trainer.bench.simhosts import runs as simulated
+from trainer.common.config import validate
+from trainer.common.errors import RunFailed, UserError
+
+flags.DEFINE_list("workers", ["1", "2", "4"],
+                  "Worker counts to run the ps cluster (and MWMS) with.")
+flags.DEFINE_list("baselines", ["single", "mwms"],
+                  "Baselines to run: single (one process, no servers) and "
+                  "mwms (MultiWorkerMirroredStrategy); empty for none.")
+flags.DEFINE_list("single_threads", ["1", "2"],
+                  "Intra-op thread counts for the single-process baseline; "
+                  "the best is the reference for efficiency.")
+flags.DEFINE_integer("repeats", 1, "Runs of each configuration; the "
+                     "median by images/s is reported.", lower_bound=1)
+flags.DEFINE_float("target_accuracy", 0.99,
+                   "Report the training time until the test accuracy, "
+                   "evaluated every --eval_every steps, first reaches this.")
+flags.DEFINE_string("out", None,
+                    "Output folder (default bench/<model>-<time>).")
+flags.DEFINE_float("run_timeout_secs", 3600, "Give up on a run after this.")
+flags.DEFINE_enum("hosts", "local", ["local", "simulated"],
+                  "local: every process on this machine's loopback; "
+                  "simulated: each task on a simulated host (root only).")
+flags.DEFINE_float("host_cpu", 0.3, "With --hosts=simulated: cores of each "
+                   "worker host and of the single-process host.")
+flags.DEFINE_float("ps_cpu", None, "With --hosts=simulated: cores of each "
+                   "ps host (default: --host_cpu).")
+flags.DEFINE_string("link_rate", "1gbit", "With --hosts=simulated: each "
+                    "host's link rate, tc syntax (100mbit, 1gbit).")
+
+FLAGS = flags.FLAGS
+_LABELS = {"ps": "ps cluster, {} worker(s)",
+           "single": "single process, {} thread(s)",
+           "mwms": "MWMS, {} worker(s)"}
+
+
+def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
+    """Refuses, before any run, what would fail or mislead halfway.
+
+    Returns the worker counts and the simulated-host settings (or None).
+    A used --out is refused: its runs' logdirs hold final checkpoints, so
+    the ps runs would resume them and train nothing.
+    """
+    try:
+        worker_counts = [int(w) for w in FLAGS.workers]
+    except ValueError:
+        raise UserError(f"--workers={','.join(FLAGS.workers)} must be a "
+                        "comma-separated list of worker counts") from None
+    if not worker_counts or min(worker_counts) < 1:
+        raise UserError("--workers needs worker counts of 1 or more")
+    unknown = set(FLAGS.baselines) - {"single", "mwms"}
+    if unknown:
+        raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
+                        " use single, mwms or both")
+    validate(trainer_flags.config_from_flags(), max(worker_counts))
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out={out} already holds a benchmark; give a "
+                        "new folder (or leave --out out for a fresh one)")
+    if FLAGS.hosts == "local":
+        return worker_counts, None
+    if "mwms" in FLAGS.baselines:
+        raise UserError("--hosts=simulated runs the ps clusters and the "
+                        "single baseline; add --baselines=single (or none)")
+    hosts_lib.parse_rate(FLAGS.link_rate)
+    hosts_lib.check_available()
+    return worker_counts, simulated.HostSettings(
+        FLAGS.host_cpu, FLAGS.ps_cpu or FLAGS.host_cpu, FLAGS.link_rate)
+
+
+def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
+    plan = [("ps", n) for n in worker_counts]
+    if "single" in FLAGS.baselines:
+        plan += [("single", int(t)) for t in FLAGS.single_threads]
+    if "mwms" in FLAGS.baselines:
+        plan += [("mwms", n) for n in worker_counts]
+    return plan
+
+
+def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
+    """Every configuration --repeats times; returns runs by configuration."""
+    total = len(plan) * FLAGS.repeats
+    local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single,
+             "mwms": runs_lib.run_mwms}
+    on_hosts = {"ps": simulated.run_ps, "single": simulated.run_single}
+    grouped, done, start = [], 0, time.monotonic()
+    for kind, count in plan:
+        group = []
+        for repeat in range(FLAGS.repeats):
+            done += 1
+            name = {"ps": f"ps_{count}w", "single": f"single_{count}t",
+                    "mwms": f"mwms_{count}w"}[kind]
+            name += f"_r{repeat + 1}" if FLAGS.repeats > 1 else ""
+            label = f"[{done}/{total}] " + _LABELS[kind].format(count)
+            logging.info("%s: starting", label)
+            run = (on_hosts if s.sim else local)[kind](s, count, name, label)
+            group.append(run)
+            elapsed = time.monotonic() - start
+            logging.info("%s: done; benchmark ETA %s", label,
+                         datetime.timedelta(seconds=round(
+                             elapsed / done * (total - done))))
+        grouped.append(group)
+    return grouped
+
+
+def median_run(group: list[runs_lib.Run]) -> runs_lib.Run:
+    """The run with the median images/s (the lower middle of an even
+    count), so that every column of a row comes from one run."""
+    ordered = sorted(group, key=lambda r: r.results["images_per_sec"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def make_rows(s: runs_lib.Settings, grouped: list) -> tuple[list, float]:
+    """One row per configuration; returns rows and the E reference."""
+    medians = [median_run(g) for g in grouped]
+    singles = [r for r in medians if r.kind == "single"]
+    reference = (max(r.results["images_per_sec"] for r in singles)
+                 if singles else medians[0].results["images_per_sec"])
+    rows = []
+    for run, group in zip(medians, grouped):
+        row = run.row(FLAGS.target_accuracy, reference)
+        if len(group) > 1:
+            row["images_per_sec_repeats"] = ";".join(
+                f"{r.results['images_per_sec']:.0f}" for r in group)
+        rows.append(row)
+    if s.sim:
+        _add_host_columns(s, medians, rows)
+    return rows, reference
+
+
+def _add_host_columns(s: runs_lib.Settings, medians: list,
+                      rows: list) -> None:
+    """Speedup, scaling efficiency and the ps-link bound (simulated.py)."""
+    # S(N) needs the 1-worker run of the same benchmark.
+    one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
+               None)
+    for run, row in zip(medians, rows):
+        row.update(host_cpu=s.sim.host_cpu, ps_cpu=s.sim.ps_cpu,
+                   link_rate=s.sim.link_rate)
+        if run.kind != "ps":
+            continue
+        if one:
+            speedup = (run.results["images_per_sec"]
+                       / one.results["images_per_sec"])
+            row.update(speedup=speedup,
+                       scaling_efficiency=speedup / run.workers)
+        bound = simulated.ps_link_bound_ms(s.config, s.num_ps, run.workers,
+                                           s.sim.link_rate_bps)
+        row.update(
+            ps_link_bytes_per_step=simulated.busiest_ps_link_bytes(
+                s.config, s.num_ps, run.workers),
+            ps_link_bound_ms=bound,
+            step_over_bound=run.results["mean_step_time_ms"] / bound)
+
+
+def write_dashboard(out: pathlib.Path, s: runs_lib.Settings, plan: list,
+                    medians: list, rows: list) -> None:
+    """TensorBoard HParams: one session per configuration (its median)."""
+    domains = {"kind": sorted({k for k, _ in plan}),
+               "workers": sorted({r.workers for r in medians}),
+               "ps_tasks": sorted({r.ps_tasks for r in medians}),
+               "model": [s.config.model], "batch": [s.config.batch_size]}
+    if s.sim:
+        domains.update(host_cpu=[s.sim.host_cpu], link_rate=[s.sim.link_rate])
+    dashboard.write_experiment(out, domains)
+    for run, row in zip(medians, rows):
+        hparams = {"kind": run.kind, "workers": run.workers,
+                   "ps_tasks": run.ps_tasks, "model": s.config.model,
+                   "batch": s.config.batch_size}
+        if s.sim:
+            hparams.update(host_cpu=s.sim.host_cpu,
+                           link_rate=s.sim.link_rate)
+        dashboard.write_run(out, run.name, hparams, {
+            "final_test_accuracy": row["test_accuracy"],
+            "images_per_sec": row["images_per_sec"],
+            "efficiency": row.get("scaling_efficiency", row["efficiency"]),
+            "time_to_target_secs": row["time_to_target_secs"]})
+
+
+def main(argv) -> int:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
+    try:
+        worker_counts, sim = check_settings(out)
+    except UserError as e:
+        logging.error("%s", e)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    train_flags = trainer_flags.forwarded_flags(
+        exclude=("logdir", "checkpoint_every", "intra_op_threads"))
+    train_flags.append(f"--checkpoint_every={runs_lib.NO_CHECKPOINTS}")
+    s = runs_lib.Settings(out, trainer_flags.config_from_flags(),
+                          train_flags, FLAGS.num_ps, FLAGS.run_timeout_secs,
+                          sim)
+    plan = plan_runs(worker_counts)
+    logging.info("benchmark of %d runs x %d into %s: %s", len(plan),
+                 FLAGS.repeats, out, ", ".join(f"{k} {n}" for k, n in plan))
+    try:
+        grouped = run_all(s, plan)
+    except RunFailed as e:
+        logging.error("%s", e)
+        return 1
+    rows, reference = make_rows(s, grouped)
+    write_dashboard(out, s, plan, [median_run(g) for g in grouped], rows)
+    report.emit(report.write_outputs(out, rows, FLAGS.target_accuracy))
+    report.emit(_footer(rows, reference, out))
+    return 0 if all(math.isfinite(r["images_per_sec"]) for r in rows) else 1
+
+
+def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
+    singles = {r["run"].split("_r")[0]: r["images_per_sec"] for r in rows
+               if r["kind"] == "single"}
+    lines = [f"\nE = images/s / {reference:,.0f} (best single process"
+             f"{'' if singles else ' not run: first run'})"]
+    if "single_1t" in singles and len(singles) > 1:
+        bound = 2 * singles["single_1t"] / max(singles.values())
+        lines.append(f"bound on E(2) on this machine: 2 x single_1t / best "
+                     f"single = {bound:.2f}")
+    if FLAGS.repeats > 1:
+        lines.append(f"each row: the median of {FLAGS.repeats} runs by "
+                     "images/s")
+    lines.append(f"outputs in {out}; tensorboard --logdir {out}")
+    return "\n".join(lines)
+
+
+def run_main():
+    app.run(lambda argv: sys.exit(main(argv)))
+
 
 if __name__ == "__main__":
     run_main()

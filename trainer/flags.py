@@ -2,7 +2,7 @@
 
 The entry points (main, launch, benchmark, soak) import this module; none
 imports another entry point. Flags only describe the run: the library
-(trainer.train and below) takes a TrainConfig and a Task and never reads
+(trainer.roles.run and below) takes a TrainConfig and a Task and never reads
 FLAGS.
 """
 
@@ -11,9 +11,9 @@ import os
 from absl import flags
 from absl import logging
 
-from trainer import cluster as cluster_lib
-from trainer import slurm
-from trainer.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES,
+from trainer.cluster import spec as cluster_lib
+from trainer.cluster import slurm
+from trainer.common.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES,
                             TrainConfig)
 
 # Flags the launcher sets for each task itself.

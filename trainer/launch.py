@@ -1,7 +1,7 @@
 """Runs a whole cluster on this machine: `python -m trainer.launch`.
 
 Starts --num_ps ps tasks and --num_workers workers as separate OS processes
-of `python -m trainer.main` on free loopback ports (trainer/launcher.py),
+of `python -m trainer.main` on free loopback ports (trainer/cluster/local.py),
 prefixes their output with the task's name, and stops them all when one
 fails or on Ctrl-C. The exit status is the run's: 0 when every task exited
 0, else that of the first task that failed. Every trainer flag given here
@@ -15,7 +15,7 @@ from absl import app
 from absl import flags
 
 from trainer import flags as trainer_flags
-from trainer import launcher
+from trainer.cluster import local as launcher
 
 trainer_flags.define_local_cluster_flags()
 flags.DEFINE_string("host", "localhost",

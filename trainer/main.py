@@ -1,7 +1,7 @@
 """Runs one task of the cluster: `python -m trainer.main --job_name=... ...`.
 
 Flags are defined in trainer/flags.py; this module turns them into a
-TrainConfig and a Task and calls trainer.train.run. Bad input ends the process with one
+TrainConfig and a Task and calls trainer.roles.run.run. Bad input ends the process with one
 line and status 2, a run that cannot go on with status 1.
 """
 
@@ -18,9 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app  # noqa: E402
 from absl import logging  # noqa: E402
 
-from trainer import flags as trainer_flags  # noqa: E402
-from trainer.config import validate  # noqa: E402
-from trainer.errors import RunFailed, UserError  # noqa: E402
+from trainer import flags as trainer_flags# noqa: E402
+from trainer.common.config import validate  # noqa: E402
+from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
 FLAGS = trainer_flags.FLAGS
 
@@ -34,7 +34,7 @@ def main(argv) -> int:
         validate(config, task.cluster.num_workers)
     except UserError as e:
         return _fail(e, 2)
-    from trainer import train  # imports TensorFlow: after the flag checks
+    from trainer.roles import run as train# imports TensorFlow: after the flag checks
     train.tf.get_logger().setLevel("ERROR")  # deprecation chatter of tf.v1
 
     # Training runs in a thread of its own so that this (main) thread, where

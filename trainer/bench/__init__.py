@@ -1,1 +1,3 @@
-"""Benchmarks, baselines and the soak: tools around the trainer."""
+"""The benchmark's machinery: its runs (runs), the baselines, the report
+and the HParams dashboard, and simulated hosts (simhosts). The commands are
+trainer/benchmark.py and trainer/soak.py. Nothing in training imports it."""

@@ -27,15 +27,15 @@ from absl import logging  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from trainer import batches  # noqa: E402
-from trainer import data as data_lib  # noqa: E402
-from trainer import model as model_lib  # noqa: E402
-from trainer import optim  # noqa: E402
-from trainer import params as params_lib  # noqa: E402
-from trainer import progress  # noqa: E402
-from trainer import replica as replica_lib  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
-from trainer.session_calls import make_callable  # noqa: E402
+from trainer.learning import batches# noqa: E402
+from trainer.learning import data as data_lib# noqa: E402
+from trainer.learning import model as model_lib# noqa: E402
+from trainer.learning import optim# noqa: E402
+from trainer.learning import params as params_lib# noqa: E402
+from trainer.observe import progress# noqa: E402
+from trainer.learning import replica as replica_lib# noqa: E402
+from trainer.common.config import TrainConfig  # noqa: E402
+from trainer.common.tf_session import make_callable  # noqa: E402
 
 
 def _load(config: TrainConfig, need_test: bool):

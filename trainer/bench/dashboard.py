@@ -41,7 +41,7 @@ from absl import logging
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
-from trainer.errors import UserError
+from trainer.common.errors import UserError
 
 KINDS = ("ps", "single", "mwms")
 

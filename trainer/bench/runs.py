@@ -15,9 +15,9 @@ import time
 
 from absl import logging
 
-from trainer import launcher
-from trainer.config import TrainConfig
-from trainer.errors import RunFailed
+from trainer.cluster import local as launcher
+from trainer.common.config import TrainConfig
+from trainer.common.errors import RunFailed
 
 _PROGRESS = re.compile(r"step (\d+)/(\d+) .* ETA (\d+:\d\d:\d\d)")
 # Checkpoints are not what the benchmark measures: only the final one.
@@ -39,7 +39,7 @@ class Settings:
 
 
 def _breakdown_columns(breakdown: dict | None) -> dict:
-    """A traced run's mean step breakdown (trainer/timeline.py) as columns
+    """A traced run's mean step breakdown (trainer/observe/timeline.py) as columns
     step_ms and step_<part>_ms; none for an untraced run."""
     if not breakdown:
         return {}
@@ -152,7 +152,7 @@ def popen(args: list[str], log_path: pathlib.Path | None = None,
 
 
 def run_ps(s: Settings, workers: int, name: str, label: str) -> Run:
-    """A local ps cluster through the launcher (trainer/launcher.py)."""
+    """A local ps cluster through the launcher (trainer/cluster/local.py)."""
     out = s.out
     logdir = out / name
     report = out / f"{name}.launch.json"

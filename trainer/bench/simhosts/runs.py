@@ -1,0 +1,147 @@
+"""Benchmark runs on simulated hosts (trainer/bench/simhosts/hosts.py): every ps task and
+every worker on a host of its own, with a CPU budget and a link rate, each
+started through the per-machine scripts exactly as on real machines; and
+the ps-link bound those link rates put on a step.
+
+The ps-link bound. In every step each of the N workers reads every
+parameter shard from its ps task and writes its gradient for that shard
+back, so the link of the ps task holding the largest shard, of S floats of
+W bytes on the wire (4 for float32, 2 for bfloat16), carries N x S x W
+bytes out (parameters) and as many in (gradients). The simulated link
+shapes each direction to R bits/s (tbf on both ends of the veth). However
+the ps orders its sends, the last worker has its parameters no earlier
+than N x S x W x 8 / R after the step starts. Its gradient, P x W bytes
+for all P parameters (P = S with one ps), can only be computed then, and
+leaves through that worker's own link: P x W x 8 / R more. So no step can
+take less than
+
+    bound = (N x S + P) x W x 8 / R  seconds,
+
+which is (N + 1) x S x W x 8 / R with one ps task. (tbf lets a link that
+was idle send a burst of 10 ms of data at line speed, so a step can come
+in a little under it.)
+
+Measured steps also pay the compute, the latency of a few round trips, and
+gRPC's framing; the ratio measured / bound says how close to the link's
+limit a configuration runs. Reaching the bound takes one pull at a time
+(`--ordered_pulls`, trainer/sync/pull_turns.py): when TCP shares the link among
+all N pulls, they all end near N transfer times, and the N gradients then
+share the way in, up to 2N transfer times in all.
+"""
+
+import contextlib
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.learning import params as params_lib
+from trainer.learning import replica as replica_lib
+from trainer.bench import runs as runs_lib
+from trainer.common.errors import RunFailed
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PORT = 2222  # every host has its own network namespace, so one port fits
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSettings:
+    host_cpu: float        # cores of each worker host (and the single run)
+    ps_cpu: float          # cores of each ps host
+    link_rate: str         # tc syntax, e.g. "1gbit"
+
+    @property
+    def link_rate_bps(self) -> int:
+        return hosts_lib.parse_rate(self.link_rate)
+
+
+def wire_bytes_per_float(config) -> int:
+    return 2 if getattr(config, "wire_dtype", "float32") in (
+        "bfloat16", "float16") else 4
+
+
+def _shard_sizes(config, num_ps: int) -> list[int]:
+    return params_lib.FlatLayout(params_lib.plan_shards(
+        replica_lib.model_specs(config), num_ps)).sizes
+
+
+def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
+    """Bytes the busiest ps link carries each way per step (see above)."""
+    return (workers * max(_shard_sizes(config, num_ps))
+            * wire_bytes_per_float(config))
+
+
+def ps_link_bound_ms(config, num_ps: int, workers: int,
+                     rate_bps: int) -> float:
+    """The least step time the links allow (see above), in ms:
+    (N x S + P) x W x 8 / R."""
+    sizes = _shard_sizes(config, num_ps)
+    in_turn = (workers * max(sizes) + sum(sizes)) * wire_bytes_per_float(
+        config)
+    return 1000.0 * in_turn * 8 / rate_bps
+
+
+def run_ps(s: runs_lib.Settings, workers: int, name: str,
+           label: str) -> runs_lib.Run:
+    """1 host per ps task and per worker; tasks via run_ps.sh and
+    run_worker.sh. The chief's output drives the progress lines."""
+    sim: HostSettings = s.sim
+    logdir = s.out / name
+    threads = ["--intra_op_threads=1", "--inter_op_threads=1"]
+    with hosts_lib.SimulatedHosts() as net:
+        ps = [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
+              for i in range(s.num_ps)]
+        wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
+              for k in range(workers)]
+        env = runs_lib.child_env(
+            PS_HOSTS=",".join(f"{h.address}:{PORT}" for h in ps),
+            WORKER_HOSTS=",".join(f"{h.address}:{PORT}" for h in wk),
+            PYTHON=sys.executable)
+        flags = [*s.train_flags, *threads, f"--logdir={logdir}"]
+        with contextlib.ExitStack() as logs:
+
+            def start(host, script, index, log_name=None):
+                # The chief's output is read (progress lines); the other
+                # tasks' goes to <name>.<task>.log.
+                out = (subprocess.PIPE if log_name is None else
+                       logs.enter_context(
+                           open(s.out / f"{name}.{log_name}.log", "w")))
+                return host.popen(["bash", str(REPO / script), str(index),
+                                   *flags], env=env, cwd=str(REPO),
+                                  stdout=out, stderr=subprocess.STDOUT,
+                                  text=True)
+
+            chief = start(wk[0], "run_worker.sh", 0)
+            others = [start(h, "run_ps.sh", i, f"ps{i}")
+                      for i, h in enumerate(ps)]
+            others += [start(h, "run_worker.sh", k, f"worker{k}")
+                       for k, h in enumerate(wk) if k > 0]
+            statuses = runs_lib.stream([chief, *others], label, s.timeout)
+    if any(statuses):
+        raise RunFailed(f"{label} failed with statuses {statuses}; logs in "
+                        f"{s.out}/{name}.*.log")
+    results = json.loads((logdir / "results.json").read_text())
+    return runs_lib.Run(name, "ps", workers, results,
+                        {"chief": results["peak_rss_mb"]}, s.num_ps)
+
+
+def run_single(s: runs_lib.Settings, threads: int, name: str,
+               label: str) -> runs_lib.Run:
+    """The single-process baseline on one host of the workers' budget."""
+    config = runs_lib.write_config(s, name, intra_op_threads=threads)
+    results = s.out / f"{name}.results.json"
+    with hosts_lib.SimulatedHosts() as net:
+        host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
+        env = runs_lib.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
+        process = host.popen(
+            [sys.executable, "-m", "trainer.bench.baselines", "single",
+             str(config), str(results)], env=env, cwd=str(REPO),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        (status,) = runs_lib.stream([process], label, s.timeout)
+    if status != 0:
+        raise RunFailed(f"{label} failed with status {status}")
+    data = json.loads(results.read_text())
+    return runs_lib.Run(name, "single", 1, data,
+                        {"process": data["peak_rss_mb"]})

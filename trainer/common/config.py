@@ -1,0 +1,128 @@
+"""The run's settings, checked in one place before anything starts."""
+
+import dataclasses
+import math
+
+from trainer.common.errors import UserError
+
+MODELS = ("softmax", "mlp", "cnn")        # builders in trainer/learning/model.py
+OPTIMIZERS = ("sgd", "momentum", "adam")  # rules in trainer/learning/optim.py
+LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/learning/optim.py
+WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
+DEFAULT_EPOCHS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything one task needs besides the cluster description."""
+
+    logdir: str
+    model: str = "cnn"
+    hidden_units: int = 128
+    batch_size: int = 128              # global: summed over the workers
+    optimizer: str = "adam"
+    learning_rate: float = 3e-3
+    lr_schedule: str = "cosine"        # cosine: decays to 0 at the last step
+    momentum: float = 0.9
+    train_steps: int | None = None     # global steps; or derived from epochs
+    epochs: float | None = None
+    seed: int = 0
+    data_dir: str | None = None        # None: $MNIST_DATA_DIR or data/
+    download: bool = True
+    data_url: str | None = None        # None: the public mirrors
+    log_every: int = 100
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 5
+    backup_workers: int = 0
+    intra_op_threads: int = 0          # 0: TensorFlow's default, all cores
+    inter_op_threads: int = 0
+    startup_timeout_secs: float = 120.0
+    worker_timeout_secs: float = 120.0
+    trace_steps: str | None = None     # "A:B": trace global steps [A, B)
+    wire_dtype: str = "float32"        # parameters and gradients on links
+    ordered_pulls: bool = False        # workers read parameters in turn
+
+    def replicas_to_aggregate(self, num_workers: int) -> int:
+        return num_workers - self.backup_workers
+
+    def trace_range(self) -> tuple[int, int] | None:
+        """--trace_steps=A:B as (A, B), or None; see validate()."""
+        if not self.trace_steps:
+            return None
+        first, end = (int(v) for v in self.trace_steps.split(":"))
+        return first, end
+
+    def resolved_train_steps(self, num_examples: int) -> int:
+        """--train_steps, or --epochs (default 12) of full global batches."""
+        if self.train_steps is not None:
+            return self.train_steps
+        epochs = DEFAULT_EPOCHS if self.epochs is None else self.epochs
+        return max(1, math.ceil(epochs * (num_examples // self.batch_size)))
+
+
+def _positive(name: str, value, kind=int):
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or value <= 0 or (
+            kind is int and int(value) != value):
+        noun = "a positive integer" if kind is int else "a positive number"
+        raise UserError(f"--{name}={value} must be {noun}")
+
+
+def _check_trace_steps(text: str | None) -> None:
+    if not text:
+        return
+    parts = text.split(":")
+    if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts)
+            or int(parts[0]) >= int(parts[1])):
+        raise UserError(f"--trace_steps={text} must be FIRST:END, global "
+                        "steps with FIRST < END, e.g. 200:205")
+
+
+def validate(config: TrainConfig, num_workers: int) -> None:
+    """Raises UserError naming the first bad setting and how to fix it."""
+    if config.model not in MODELS:
+        raise UserError(f"--model={config.model} is unknown; choose one of "
+                        f"{', '.join(MODELS)}")
+    if config.optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer={config.optimizer} is unknown; choose "
+                        f"one of {', '.join(OPTIMIZERS)}")
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"--lr_schedule={config.lr_schedule} is unknown; "
+                        f"choose one of {', '.join(LR_SCHEDULES)}")
+    if config.train_steps is not None and config.epochs is not None:
+        raise UserError("give either --train_steps or --epochs, not both")
+    for name in ("hidden_units", "batch_size", "train_steps", "log_every",
+                 "eval_every", "checkpoint_every", "keep_checkpoints"):
+        _positive(name, getattr(config, name))
+    for name in ("intra_op_threads", "inter_op_threads"):
+        if getattr(config, name) < 0:
+            raise UserError(f"--{name}={getattr(config, name)} must be 0 "
+                            "(one per core) or more")
+    for name in ("learning_rate", "epochs", "startup_timeout_secs",
+                 "worker_timeout_secs"):
+        _positive(name, getattr(config, name), float)
+    _check_trace_steps(config.trace_steps)
+    if config.wire_dtype not in WIRE_DTYPES:
+        raise UserError(f"--wire_dtype={config.wire_dtype} is unknown; "
+                        f"choose one of {', '.join(WIRE_DTYPES)}")
+    if not 0 <= config.momentum < 1:
+        raise UserError(f"--momentum={config.momentum} must be in [0, 1)")
+    if not config.logdir:
+        raise UserError("--logdir is empty; give a folder for checkpoints, "
+                        "TensorBoard logs and results.json")
+    if not 0 <= config.backup_workers < num_workers:
+        raise UserError(
+            f"--backup_workers={config.backup_workers} must be at least 0 "
+            f"and less than the {num_workers} worker(s), so that at least "
+            "one gradient is averaged per step")
+    if config.ordered_pulls and config.backup_workers:
+        raise UserError(
+            "--ordered_pulls and --backup_workers do not mix: a late worker "
+            "would hold back the pulls of every worker after it; drop one")
+    if config.batch_size < num_workers:
+        raise UserError(
+            f"--batch_size={config.batch_size} is smaller than the "
+            f"{num_workers} workers; the global batch needs at least one "
+            "example per worker")

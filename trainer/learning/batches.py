@@ -1,0 +1,143 @@
+"""Batches: which examples each worker computes at each global step.
+
+The same arithmetic runs on every worker, so the workers agree on the
+global batch of every step without talking to each other: the epoch's
+order is a stateless shuffle of (seed, epoch), and worker k takes the
+contiguous slice shard_bounds(...)[k] of each global batch. The training
+set lives in worker-local variables and is batched inside the graph.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from trainer.learning.data import IMAGE_SIZE
+from trainer.common.errors import UserError
+
+
+# --- Batching and sharding (the same arithmetic on every worker) ---
+
+def shard_bounds(global_batch: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) slices of a global batch, one per worker.
+
+    The first `global_batch % num_shards` slices hold one example more, so
+    sizes differ by at most one and the slices cover the batch exactly once.
+    """
+    if num_shards < 1 or global_batch < num_shards:
+        raise UserError(
+            f"--batch_size={global_batch} cannot be split over {num_shards} "
+            "worker(s); the global batch needs at least one example per "
+            "worker")
+    base, extra = divmod(global_batch, num_shards)
+    bounds, start = [], 0
+    for k in range(num_shards):
+        end = start + base + (1 if k < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def steps_per_epoch(num_examples: int, global_batch: int) -> int:
+    """Full global batches per epoch; the remainder of an epoch is skipped."""
+    if global_batch > num_examples:
+        raise UserError(f"--batch_size={global_batch} is larger than the "
+                        f"{num_examples} training examples")
+    return num_examples // global_batch
+
+
+# --- In-graph batching (the training loop runs inside the graph) ---
+
+class InGraphTrainSet:
+    """The training set in worker-local variables, batched by global step.
+
+    Create it under the worker's device. `initialize(session, images,
+    labels)` fills the variables once; after that a batch costs no Python
+    and no copy through the session.run boundary. The epoch's order is
+    computed with a stateless shuffle of (seed, epoch), so every worker
+    derives the same order without talking to the others, and cached until
+    the epoch changes.
+    """
+
+    def __init__(self, num_examples: int, seed: int, global_batch: int,
+                 bounds: tuple[int, int]):
+        self.num_examples = num_examples
+        self.seed = seed
+        self.global_batch = global_batch
+        self.bounds = bounds
+        self.steps_per_epoch = steps_per_epoch(num_examples, global_batch)
+        self._images_in = tf.compat.v1.placeholder(
+            tf.uint8, [num_examples, IMAGE_SIZE, IMAGE_SIZE])
+        self._labels_in = tf.compat.v1.placeholder(tf.int32, [num_examples])
+        self._images = local_variable("train_images", self._images_in)
+        self._labels = local_variable("train_labels", self._labels_in)
+        self._order = local_variable("epoch_order",
+                                      tf.zeros([num_examples], tf.int32))
+        self._order_epoch = local_variable("epoch_of_order",
+                                            tf.constant(-1, tf.int64))
+
+    def initialize(self, session, images: np.ndarray, labels: np.ndarray):
+        session.run(
+            [v.initializer for v in (self._images, self._labels, self._order,
+                                     self._order_epoch)],
+            {self._images_in: images, self._labels_in: labels.astype(np.int32)})
+
+    def order(self, epoch: tf.Tensor) -> tf.Tensor:
+        """The visiting order of `epoch`: int32 [num_examples]."""
+        return epoch_order(self.num_examples, self.seed, epoch)
+
+    def batch(self, step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """This worker's slice of global step `step` (int64 scalar).
+
+        Returns:
+          images: float32 [m, 28, 28, 1] in [0, 1], m = end - start.
+          labels: int32 [m].
+        """
+        epoch = step // self.steps_per_epoch
+        position = step % self.steps_per_epoch
+
+        def reload():
+            fresh = self.order(epoch)
+            with tf.control_dependencies([
+                    self._order.assign(fresh, read_value=False),
+                    self._order_epoch.assign(epoch, read_value=False)]):
+                return tf.identity(fresh)
+
+        order = tf.cond(tf.equal(epoch, self._order_epoch.read_value()),
+                        self._order.read_value, reload)
+        indices = slice_indices(order, position, self.global_batch,
+                                self.bounds)
+        images = tf.gather(self._images.read_value(), indices)
+        labels = tf.gather(self._labels.read_value(), indices)
+        return model_input(images), labels
+
+
+def epoch_order(num_examples: int, seed: int, epoch: tf.Tensor) -> tf.Tensor:
+    """The visiting order of `epoch` (int64 []): int32 [num_examples], a
+    stateless shuffle of (seed, epoch), the same in every process."""
+    return tf.random.experimental.stateless_shuffle(
+        tf.range(num_examples, dtype=tf.int32),
+        seed=tf.stack([tf.constant(seed, tf.int64),
+                       tf.cast(epoch, tf.int64)]))
+
+
+def slice_indices(order: tf.Tensor, position: tf.Tensor, global_batch: int,
+                  bounds: tuple[int, int]) -> tf.Tensor:
+    """Example indices of rows [start, end) of the `position`-th global
+    batch of an epoch whose order is `order`: int32 [end - start]."""
+    start, end = bounds
+    first = position * global_batch + start
+    return tf.slice(order, tf.reshape(tf.cast(first, tf.int32), [1]),
+                    [end - start])
+
+
+def model_input(images: tf.Tensor) -> tf.Tensor:
+    """uint8 [n, 28, 28] pixels -> float32 [n, 28, 28, 1] in [0, 1], what
+    the models take."""
+    return tf.reshape(tf.cast(images, tf.float32) / 255.0,
+                      [-1, IMAGE_SIZE, IMAGE_SIZE, 1])
+
+
+def local_variable(name: str, initial_value) -> tf.Variable:
+    """A variable of this worker alone (not shared, not checkpointed)."""
+    return tf.compat.v1.Variable(
+        initial_value, name=name, trainable=False, use_resource=True,
+        collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])

@@ -1,0 +1,217 @@
+"""What the chief and the other workers share: a session that survives the
+loss of a ps task, fast callables, and the watchdog on a stalled step.
+
+A worker that loses the ps tasks (one died or restarted) reconnects: it
+waits for them, opens a new session and goes on (the chief first restores
+the latest checkpoint, since a restarted ps has lost the variables). It
+gives up if no step succeeds for --startup_timeout_secs.
+"""
+
+import abc
+import os
+import socket
+import threading
+import time
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.cluster import devices
+from trainer.observe import tracing
+from trainer.roles import watchdog as watchdog_lib
+from trainer.roles import graph as worker_graph
+from trainer.cluster.spec import Task, split_address
+from trainer.common.config import TrainConfig
+from trainer.learning.data import Mnist
+from trainer.common.errors import RunFailed
+from trainer.common.tf_session import error_summary, make_callable
+
+POLL_SECS = 0.25           # how often to look for a ps or the chief
+CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
+PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
+
+# Errors a task sees when a ps task died or restarted (connection refused,
+# session or graph handle gone, variables gone or not yet initialized).
+PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
+           tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
+           tf.errors.CancelledError, tf.errors.InternalError)
+
+
+class WorkerRole(abc.ABC):
+    """A worker's Python side; subclasses say what to do once connected.
+
+    The watchdog thread may end a blocked session.run by closing the
+    session (`give_up`); the reason it gives is read by the training
+    thread when that run fails. Both go through `_lock`.
+    """
+
+    def __init__(self, config: TrainConfig, task: Task, server,
+                 mnist: Mnist):
+        self.config, self.task, self.server = config, task, server
+        self.mnist = mnist
+        self.k = task.task_index
+        self.train_steps = config.resolved_train_steps(
+            len(mnist.train_labels))
+        self.session = None
+        self.local_steps = 0      # gradients this worker pushed, all sessions
+        self.traces = []          # (first step, steps, RunMetadata)
+        self._stop_reason = None
+        self._lock = threading.Lock()
+        self.last_progress = time.monotonic()
+        logging.info("%d global steps of %d images", self.train_steps,
+                     config.batch_size)
+        self.g = worker_graph.build_worker(
+            config, task, len(mnist.train_labels),
+            max(len(mnist.test_labels), 1), self.train_steps)
+
+    @abc.abstractmethod
+    def run_connected(self) -> None:
+        """Trains to the end with an open session: the chief's and the
+        other workers' own part (trainer/roles/chief.py, trainer/roles/worker.py)."""
+
+    def run(self) -> None:
+        """Connects, trains and reconnects after a lost ps, to the end."""
+        # Saver.save and .restore build nothing here, but look at the
+        # default graph to decide between graph and eager mode.
+        with self.g.graph.as_default():
+            while True:
+                try:
+                    self._connect()
+                    self.run_connected()
+                    return
+                except Exception as e:  # noqa: BLE001 (re-raised below)
+                    with self._lock:
+                        reason = self._stop_reason
+                    if reason:  # the watchdog closed the session
+                        raise RunFailed(reason) from None
+                    if not isinstance(e, PS_LOST):
+                        raise
+                    self._handle_lost(e)
+
+    def _connect(self) -> None:
+        wait_for_ps(self.task, self.config.startup_timeout_secs)
+        self.session = tf.compat.v1.Session(
+            self.server.target, graph=self.g.graph,
+            config=devices.session_config(self.config, self.task))
+        self.g.trainset.initialize(self.session, self.mnist.train_images,
+                                   self.mnist.train_labels)
+        if self.g.chief:
+            self.g.chief.testset_init(self.session, self.mnist.test_images,
+                                      self.mnist.test_labels)
+
+    def _handle_lost(self, error: tf.errors.OpError) -> None:
+        """Closes the broken session; fails if nothing has worked for long."""
+        self.close_session()
+        first_line = error_summary(error)
+        if time.monotonic() - self.last_progress > (
+                self.config.startup_timeout_secs):
+            raise RunFailed(
+                f"no training step succeeded for "
+                f"{self.config.startup_timeout_secs:.0f} s "
+                f"(--startup_timeout_secs); last error: {first_line}"
+                ) from None
+        logging.warning("lost the ps tasks (%s); reconnecting", first_line)
+
+    def close_session(self) -> None:
+        with self._lock:
+            session, self.session = self.session, None
+        if session is not None:
+            try:
+                session.close()
+            except Exception:  # the ps may be gone already
+                pass
+
+    def callable(self, fetches: dict, feeds=()):
+        return make_callable(self.session, fetches, feeds)
+
+    def loop_callable(self):
+        """(start step, count) -> the loop's outputs.
+
+        With --trace_steps=A:B, runs of steps that cross [A, B) are split
+        so that each step in it runs alone, traced (see trainer/observe/tracing.py).
+        """
+        feeds = [self.g.start_step, self.g.num_steps]
+        loop = self.callable(self.g.loop_outputs, feeds)
+        if self.config.trace_range() is None:
+            return loop
+        return tracing.split_loop(
+            loop, tracing.traced_run(self.session, self.g.loop_outputs,
+                                     feeds),
+            self.config.trace_range(), self.traces)
+
+    def watchdog(self, timeout_secs: float,
+                 on_timeout) -> watchdog_lib.Watchdog:
+        """Calls on_timeout(step, who) when the global step stays put (step
+        None: ps 0 did not answer)."""
+        fetches = {"step": self.g.coord.global_step,
+                   "admitted": self.g.coord.admitted}
+        cluster = self.task.cluster
+
+        def read_progress():
+            with self._lock:
+                session = self.session
+            if session is None:
+                raise RunFailed("no session")
+            out = session.run(fetches)
+            return int(out["step"]), list(out["admitted"])
+
+        def describe_missing(admitted) -> str:
+            missing = [k for k, flag in enumerate(admitted)
+                       if flag < 0.5 and k != self.k]
+            if not missing:
+                return "the chief to apply the step"
+            return ", ".join(cluster.describe("worker", k) for k in missing)
+
+        return watchdog_lib.Watchdog(
+            read_progress, describe_missing, timeout_secs, on_timeout,
+            f"{cluster.describe('ps', 0)}, which does not answer")
+
+    def give_up(self, reason: str) -> None:
+        """From the watchdog: end the blocked session.run with a reason."""
+        logging.info("the watchdog ends the blocked training run")
+        with self._lock:
+            self._stop_reason = reason
+        # Closing the session normally cancels the run the training thread
+        # is blocked in, and that thread raises `reason`. With ps 0 cut off,
+        # the close or the cancelled run can block as long as TCP retries
+        # the silent peer; then leaving is the only way to end the process.
+        threading.Thread(target=self._exit_if_still_running, args=(reason,),
+                         daemon=True, name="give-up-deadline").start()
+        self.close_session()
+
+    @staticmethod
+    def _exit_if_still_running(reason: str) -> None:
+        time.sleep(CLOSE_DEADLINE_SECS)
+        logging.error("%s; the blocked session did not end within %.0f s; "
+                      "exiting", reason, CLOSE_DEADLINE_SECS)
+        logging.flush()
+        os._exit(1)
+
+
+def wait_for_ps(task: Task, timeout: float) -> None:
+    """Waits until every ps task accepts connections, logging progress."""
+    start = time.monotonic()
+    pending = list(range(task.cluster.num_ps))
+    next_log = start  # say at once what we wait for, then every few secs
+    while pending:
+        for index in list(pending):
+            host, port = split_address(task.cluster.ps[index], "--ps_hosts")
+            try:
+                socket.create_connection((host.strip("[]"), port),
+                                         timeout=1.0).close()
+                pending.remove(index)
+            except OSError:
+                pass
+        now = time.monotonic()
+        names = ", ".join(task.cluster.describe("ps", i) for i in pending)
+        if pending and now - start > timeout:
+            raise RunFailed(
+                f"{names} did not start within {timeout:.0f} s "
+                "(--startup_timeout_secs); start it (run_ps.sh) or fix "
+                "--ps_hosts")
+        if pending and now >= next_log:
+            logging.info("waiting for %s to start: %.0f s", names,
+                         now - start)
+            next_log = now + PROGRESS_LOG_SECS
+        if pending:
+            time.sleep(POLL_SECS)

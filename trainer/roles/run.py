@@ -1,0 +1,69 @@
+"""Running one task of the cluster: the library entry point.
+
+`run(config, task)` runs a ps (trainer/roles/ps.py), the chief
+(trainer/roles/chief.py) or another worker (trainer/roles/worker.py) to the end;
+`trainer.main` only parses flags and calls it.
+"""
+
+import socket
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.saving import checkpoints
+from trainer.learning import data as data_lib
+from trainer.cluster import devices
+from trainer.roles import ps
+from trainer.roles.chief import Chief
+from trainer.cluster.spec import Task, split_address
+from trainer.common.config import TrainConfig, validate
+from trainer.common.errors import UserError
+from trainer.roles.worker import Worker
+
+
+def run(config: TrainConfig, task: Task) -> None:
+    """Runs this task to the end of training; raises UserError/RunFailed."""
+    validate(config, task.cluster.num_workers)
+    check_port_free(task)
+    if task.job_name == "ps":
+        ps.serve(config, task, start_server(config, task))
+        return
+    # Check the data and the logdir first: bad input should stop this task
+    # before its server is up.
+    if task.is_chief:
+        checkpoints.check_logdir_fits_model(config)
+    data_dir = data_lib.resolve_data_dir(config.data_dir)
+    mnist = data_lib.load(data_dir, config.download,
+                          data_lib.mirror_list(config.data_url),
+                          need_test=task.is_chief)
+    logging.info("data: %d training and %d test images from %s",
+                 len(mnist.train_labels), len(mnist.test_labels), data_dir)
+    role = Chief if task.is_chief else Worker
+    role(config, task, start_server(config, task), mnist).run()
+
+
+def start_server(config: TrainConfig, task: Task):
+    return tf.distribute.Server(
+        tf.train.ClusterSpec(task.cluster.as_dict()), job_name=task.job_name,
+        task_index=task.task_index,
+        config=devices.session_config(config, task))
+
+
+def check_port_free(task: Task) -> None:
+    """Fails clearly if this task's port is taken on this machine.
+
+    TensorFlow's server would otherwise fail with a gRPC error deep inside,
+    or, as gRPC sets SO_REUSEPORT, share the port with the other process.
+    """
+    _, port = split_address(task.address, "this task's address")
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("", port))
+    except OSError:
+        raise UserError(
+            f"port {port} of {task.describe()} is already in use on this "
+            "machine; stop the process that holds it or give this task "
+            "another port") from None
+    finally:
+        probe.close()
