@@ -7,19 +7,18 @@ status is the run's: 0 when every task exited 0, else that of the first
 task that failed. `trainer.launch` is its command line.
 """
 
-import ctypes
 import json
 import os
 import random
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 from absl import logging
+
+from trainer.common import processes
 
 # Start-up chatter of TensorFlow's C++ runtime that says nothing about the
 # run; everything else a task prints is passed through.
@@ -85,62 +84,31 @@ def default_worker_threads(num_workers: int) -> dict[str, int]:
             "inter_op_threads": 1}
 
 
-def _die_with_parent():
-    """In the child: get SIGKILL if the launcher dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+class TaskProcess(processes.Child):
+    """A cluster task (ps or worker) run as a child process of the
+    launcher (not a cluster_lib.Task, which is a task's place in the
+    cluster spec)."""
 
-
-class Task:
-    """One child process and the thread that relays its output."""
-
-    def __init__(self, job: str, index: int, argv: list[str], env: dict):
-        self.name = f"{job}{index}"
-        self.job = job
-        self.peak_rss_mb = None
-        self.process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-            preexec_fn=_die_with_parent)
-        logging.info("started %s (pid %d)", self.name, self.process.pid)
-        self.relay = threading.Thread(target=self._relay, daemon=True)
-        self.relay.start()
-
-    def _relay(self):
-        prefix = f"[{self.name}] ".encode()
-        for line in self.process.stdout:
-            if _NOISE.search(line.decode(errors="replace")):
-                continue
-            sys.stdout.buffer.write(prefix + line)
-            sys.stdout.buffer.flush()
-
-    def poll(self, block: bool = False):
-        """The exit status, or None while running; records peak memory.
-
-        Reaps the child with wait4 (not Popen.poll) to get its rusage.
-        """
-        if self.process.returncode is None:
-            pid, status, usage = os.wait4(self.process.pid,
-                                          0 if block else os.WNOHANG)
-            if pid:
-                self.process.returncode = os.waitstatus_to_exitcode(status)
-                self.peak_rss_mb = usage.ru_maxrss / 1024.0  # KiB on Linux
-        return self.process.returncode
+    @property
+    def job(self) -> str:
+        return self.name.rstrip("0123456789")
 
     def report(self) -> dict:
         return {"task": self.name, "pid": self.process.pid,
                 "exit_status": self.process.returncode,
                 "peak_rss_mb": self.peak_rss_mb}
 
-    def signal(self, signum):
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signum)
-            except ProcessLookupError:
-                pass
+
+def start_task(job: str, index: int, argv: list[str],
+               env: dict) -> TaskProcess:
+    """Starts a task in a session of its own, killed if the launcher dies,
+    its output relayed to ours as `[ps0] ...`, start-up noise left out."""
+    task = TaskProcess.start(
+        f"{job}{index}", argv, env, own_session=True, die_with_parent=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL)
+    task.relay(processes.echo_lines(task.name, skip=_NOISE))
+    return task
 
 
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
@@ -157,10 +125,7 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     worker_hosts = ",".join(f"{host}:{p}" for p in ports[num_ps:])
     logging.info("cluster: ps %s; workers %s", ps_hosts, worker_hosts)
     logging.info(SECURITY_NOTICE)
-    env = dict(os.environ)
-    env.pop("TF_CONFIG", None)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env["PYTHONUNBUFFERED"] = "1"
+    env = processes.child_env()
 
     def argv(job, index):
         return [sys.executable, "-m", "trainer.main", f"--job_name={job}",
@@ -168,14 +133,17 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
                 f"--worker_hosts={worker_hosts}"] + (
                     worker_flags if job == "worker" else []) + extra
 
-    tasks = [Task("ps", i, argv("ps", i), env) for i in range(num_ps)]
-    tasks += [Task("worker", i, argv("worker", i), env)
-              for i in range(num_workers)]
+    tasks: list[TaskProcess] = []
     try:
+        # Started inside the try: a Ctrl-C between two starts stops the
+        # tasks already running.
+        for job, count in (("ps", num_ps), ("worker", num_workers)):
+            for i in range(count):
+                tasks.append(start_task(job, i, argv(job, i), env))
         status = _supervise(tasks, exit_grace_secs)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
-        _stop_all(tasks)
+        processes.stop_all(tasks, _STOP_SIGNAL_GRACE_SECS)
         status = 130
     if report:
         with open(report, "w") as f:
@@ -184,49 +152,36 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     return status
 
 
-def _supervise(tasks: list[Task], exit_grace_secs: float) -> int:
+def _supervise(tasks: list[TaskProcess], exit_grace_secs: float) -> int:
+    """Runs the tasks to their end (processes.supervise); returns the exit
+    status of the run. Once every worker is done, the ps tasks have
+    exit_grace_secs to exit before they are stopped."""
     workers = [t for t in tasks if t.job == "worker"]
     workers_done_at = None
-    while True:
-        for task in tasks:
-            status = task.poll()
-            if status not in (None, 0):
-                logging.error("%s exited with status %d; stopping the others",
-                              task.name, status)
-                _stop_all(tasks)
-                return status
-        if all(t.poll() == 0 for t in tasks):
-            for t in tasks:
-                t.relay.join(timeout=5)
-            logging.info("every task exited 0")
-            return 0
+
+    def give_up() -> str | None:
+        nonlocal workers_done_at
         if workers_done_at is None and all(t.poll() == 0 for t in workers):
             workers_done_at = time.monotonic()
         if (workers_done_at is not None
                 and time.monotonic() - workers_done_at > exit_grace_secs):
             stuck = ", ".join(t.name for t in tasks if t.poll() is None)
-            logging.error("%s still running %.0f s after the workers finished;"
-                          " killing it", stuck, exit_grace_secs)
-            _stop_all(tasks)
-            return 1
-        time.sleep(0.1)
+            return (f"{stuck} still running {exit_grace_secs:.0f} s after "
+                    "the workers finished; killing it")
+        return None
 
+    def announce(ending: processes.Ending) -> None:
+        if ending.failed:
+            logging.error("%s exited with status %d; stopping the others",
+                          ending.failed.name, ending.failed.poll())
+        else:
+            logging.error("%s", ending.reason)
 
-def _stop_all(tasks: list[Task]) -> None:
-    """SIGTERM, then SIGKILL for whatever is still running after a grace.
-
-    SIGTERM, not SIGINT: a task still importing TensorFlow dies of it
-    quietly, where SIGINT would print a KeyboardInterrupt traceback from
-    deep inside the import; a running task logs one line and exits.
-    """
-    for task in tasks:
-        task.signal(signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_SIGNAL_GRACE_SECS
-    while time.monotonic() < deadline and any(
-            t.poll() is None for t in tasks):
-        time.sleep(0.05)
-    for task in tasks:
-        task.signal(signal.SIGKILL)
-    for task in tasks:
-        task.poll(block=True)
-        task.relay.join(timeout=5)
+    ending = processes.supervise(tasks, _STOP_SIGNAL_GRACE_SECS, give_up,
+                                 announce)
+    if ending is None:
+        for t in tasks:
+            t.join_relay(timeout=5)
+        logging.info("every task exited 0")
+        return 0
+    return ending.failed.poll() if ending.failed else 1
