@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import resource
 import time
 from typing import Callable
@@ -176,6 +177,27 @@ def _log(config, writer, step, train_steps, interval, dropped) -> None:
         "perf/step_time_ms": step_ms,
         "sync/dropped_gradients": dropped,
     })
+
+
+# The line _log writes; searched anywhere in a line, after absl's prefix
+# and a launcher's `[worker0] `. Keep the two in step.
+_PROGRESS_LINE = re.compile(
+    r"step (\d+)/(\d+)  loss (\S+)  train accuracy (\S+)%  (\S+) images/s  "
+    r"(\S+) ms/step  dropped gradients (\d+)  ETA (\d+:\d\d:\d\d)")
+
+
+def parse_progress_line(line: str) -> dict | None:
+    """The figures of a progress line written by _log, or None for any
+    other line: step, train_steps, loss, train_accuracy (a fraction),
+    images_per_sec, step_ms, dropped_gradients and eta ("H:MM:SS")."""
+    match = _PROGRESS_LINE.search(line)
+    if match is None:
+        return None
+    step, steps, loss, accuracy, images, ms, dropped, eta = match.groups()
+    return {"step": int(step), "train_steps": int(steps),
+            "loss": float(loss), "train_accuracy": float(accuracy) / 100,
+            "images_per_sec": float(images), "step_ms": float(ms),
+            "dropped_gradients": int(dropped), "eta": eta}
 
 
 def _evaluate(evaluate, writer, step: int, train_secs: float) -> dict:

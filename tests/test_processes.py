@@ -1,0 +1,141 @@
+"""The process supervisor (trainer/common/processes.py) and the progress
+line's parser, on short-lived real processes."""
+
+import logging as std_logging
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from absl import logging as absl_logging
+import pytest
+
+from trainer.common import processes
+from trainer.common.config import TrainConfig
+from trainer.observe import progress
+
+
+def python(code: str, **kwargs) -> processes.Child:
+    """`python -c code` as a Child in a session of its own."""
+    return processes.Child.start("child", [sys.executable, "-c", code],
+                                 processes.child_env(), **kwargs)
+
+
+@pytest.fixture
+def started():
+    """Children a test starts; whatever is left is killed at the end."""
+    children = []
+    yield children
+    processes.stop_all(children, grace_secs=0)
+
+
+def test_child_env_drops_tf_config_and_unbuffers(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{}")
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    env = processes.child_env(EXTRA="1")
+    assert "TF_CONFIG" not in env
+    assert env["PYTHONUNBUFFERED"] == "1" and env["EXTRA"] == "1"
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "3"
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # the caller's wins
+    assert processes.child_env()["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_output_is_relayed_line_by_line_with_a_prefix(started, capfdbinary):
+    child = python("print('one'); print('noise'); print('two')",
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    started.append(child)
+    child.relay(processes.echo_lines("ps0", skip=re.compile("noise")))
+    assert child.poll(block=True) == 0
+    child.join_relay(timeout=10)
+    assert capfdbinary.readouterr().out == b"[ps0] one\n[ps0] two\n"
+    assert child.peak_rss_mb > 0
+
+
+def test_stop_all_kills_what_ignores_sigterm_after_the_grace(started):
+    child = python("import signal, time; signal.signal(signal.SIGTERM, "
+                   "signal.SIG_IGN); print('ready', flush=True); "
+                   "time.sleep(60)", stdout=subprocess.PIPE, text=True)
+    started.append(child)
+    assert child.process.stdout.readline() == "ready\n"
+    begin = time.monotonic()
+    processes.stop_all([child], grace_secs=0.5)
+    assert child.poll() == -signal.SIGKILL
+    assert 0.5 <= time.monotonic() - begin < 5
+
+
+def test_stop_all_signals_the_whole_group_of_a_child(started):
+    # The child's own child would outlive a signal to the child's pid only.
+    child = python("import subprocess, sys, time; subprocess.Popen("
+                   "[sys.executable, '-c', 'import time; time.sleep(60)']);"
+                   " print('ready', flush=True); time.sleep(60)",
+                   stdout=subprocess.PIPE, text=True)
+    started.append(child)
+    assert child.process.stdout.readline() == "ready\n"
+    processes.stop_all([child], grace_secs=5)
+    assert child.poll() == -signal.SIGTERM
+    deadline = time.monotonic() + 10  # init reaps the orphan meanwhile
+    while subprocess.run(["pgrep", "-g", str(child.pid)],
+                         capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the child's child survived"
+        time.sleep(0.1)
+
+
+def test_one_failure_stops_the_others(started):
+    failing = python("raise SystemExit(3)")
+    waiting = python("import time; time.sleep(60)")
+    started += [failing, waiting]
+    announced = []
+    begin = time.monotonic()
+    ending = processes.supervise([waiting, failing], grace_secs=5,
+                                 announce=announced.append)
+    assert ending.failed is failing and announced == [ending]
+    assert failing.poll() == 3 and waiting.poll() == -signal.SIGTERM
+    assert time.monotonic() - begin < 15
+
+
+def test_supervise_gives_up_when_told(started):
+    waiting = python("import time; time.sleep(60)")
+    started.append(waiting)
+    ending = processes.supervise([waiting], grace_secs=5,
+                                 give_up=lambda: "enough")
+    assert ending.reason == "enough" and ending.failed is None
+    assert waiting.poll() == -signal.SIGTERM
+
+
+def test_supervise_returns_none_when_all_exit_0(started):
+    started += [python("pass"), python("pass")]
+    assert processes.supervise(started, grace_secs=5) is None
+    assert [c.poll() for c in started] == [0, 0]
+
+
+def written_progress_line(caplog) -> str:
+    """The line the real writer logs, formatted as absl prints it and
+    prefixed as the launcher relays the chief's output."""
+    interval = progress._Interval(time.monotonic() - 2.0)
+    interval.add(50, (3200, 3200 * 0.25, 3200 * 0.9375))
+    with caplog.at_level(std_logging.INFO):
+        progress._log(TrainConfig(logdir="x"), None, 150, 1000, interval, 7)
+    record = caplog.records[-1]
+    return "[worker0] " + absl_logging.PythonFormatter().format(record)
+
+
+def test_the_progress_line_parses_back(caplog):
+    figures = progress.parse_progress_line(written_progress_line(caplog))
+    assert figures["step"] == 150 and figures["train_steps"] == 1000
+    assert figures["loss"] == pytest.approx(0.25)
+    assert figures["train_accuracy"] == pytest.approx(0.9375)
+    assert figures["dropped_gradients"] == 7
+    assert figures["images_per_sec"] == pytest.approx(1600, rel=0.1)
+    assert figures["step_ms"] == pytest.approx(40, rel=0.1)
+    hours, minutes, secs = (int(x) for x in figures["eta"].split(":"))
+    assert 3600 * hours + 60 * minutes + secs == pytest.approx(
+        850 * figures["step_ms"] / 1000, abs=1)
+
+
+@pytest.mark.parametrize("line", [
+    "step 1000: test accuracy 97.10%  test loss 0.0950  (0.4 s)",
+    "first step done in 1.2 s (waiting for the workers, warming up)",
+    ""])
+def test_other_lines_are_not_progress(line):
+    assert progress.parse_progress_line(line) is None
