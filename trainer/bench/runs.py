@@ -7,19 +7,20 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
-import threading
 import time
 
 from absl import logging
 
 from trainer.cluster import local as launcher
+from trainer.common import processes
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
+from trainer.observe import progress
 
-_PROGRESS = re.compile(r"step (\d+)/(\d+) .* ETA (\d+:\d\d:\d\d)")
+# Seconds a run's processes get to exit after SIGTERM before SIGKILL.
+STOP_GRACE_SECS = 10.0
 # Checkpoints are not what the benchmark measures: only the final one.
 NO_CHECKPOINTS = 1 << 40
 BREAKDOWN_PARTS = ("compute", "pull_params", "push_grads", "wait_others",
@@ -82,73 +83,69 @@ class Run:
         }
 
 
-def stream(processes: list, label: str, timeout: float) -> list[int]:
-    """Waits for processes, logging a progress line per log interval of
-    the first (the chief); returns their exit statuses.
+def stream(children: list, label: str, timeout: float) -> list[int]:
+    """Waits for a run's processes (processes.Child or Popen), logging a
+    progress line per log interval of the first (the chief); returns
+    their exit statuses.
 
     A run is over as soon as one of its processes fails: the others would
-    wait for it (a ps for the chief's shutdown, a worker for its peers)
-    until the timeout, so they are stopped at once. On timeout all are
-    killed. On failure, logs the end of the chief's output."""
+    wait for it until the timeout, so they are stopped at once
+    (processes.supervise). On timeout, and on Ctrl-C or any error here,
+    all are stopped. On failure, logs the end of the chief's output."""
+    children = [c if isinstance(c, processes.Child) else
+                processes.Child(f"process {i}", c)
+                for i, c in enumerate(children)]
     tail = collections.deque(maxlen=30)
 
-    def relay():
-        for line in processes[0].stdout:
-            tail.append(line.rstrip())
-            match = _PROGRESS.search(line)
-            if match:
-                logging.info("%s: step %s/%s, ETA %s", label, *match.groups())
+    def on_line(line):
+        line = line.decode(errors="replace") if isinstance(
+            line, bytes) else line
+        tail.append(line.rstrip())
+        figures = progress.parse_progress_line(line)
+        if figures:
+            logging.info("%s: step %d/%d, ETA %s", label, figures["step"],
+                         figures["train_steps"], figures["eta"])
 
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
+    def announce(ending: processes.Ending) -> None:
+        failed = ending.failed
+        logging.error("%s: %s; stopping its processes", label,
+                      f"process {children.index(failed)} exited with status "
+                      f"{failed.poll()}" if failed else ending.reason)
+
+    children[0].relay(on_line)
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in processes):
-        failed = [(i, p.returncode) for i, p in enumerate(processes)
-                  if p.returncode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            logging.error("%s: %s; stopping its processes", label,
-                          f"process {failed[0][0]} exited with status "
-                          f"{failed[0][1]}" if failed else
-                          f"no end after {timeout:.0f} s")
-            _stop_all(processes)
-            break
-        time.sleep(0.2)
-    statuses = [p.wait() for p in processes]
-    reader.join(timeout=10)
+    try:
+        processes.supervise(
+            children, STOP_GRACE_SECS,
+            lambda: (f"no end after {timeout:.0f} s"
+                     if time.monotonic() > deadline else None),
+            announce, poll_secs=0.2)
+    finally:  # nothing left running, whatever ended the wait
+        processes.stop_all(children, STOP_GRACE_SECS)
+    statuses = [c.poll(block=True) for c in children]
+    children[0].join_relay(timeout=10)
     if any(statuses):
         logging.error("%s failed (exit statuses %s); its last lines:\n%s",
                       label, statuses, "\n".join(tail))
     return statuses
 
 
-def _stop_all(processes: list, grace_secs: float = 10.0) -> None:
-    """SIGTERM to every process still running, SIGKILL after grace_secs."""
-    running = [p for p in processes if p.poll() is None]
-    for p in running:
-        p.terminate()
-    end = time.monotonic() + grace_secs
-    for p in running:
-        try:
-            p.wait(timeout=max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+def popen(name: str, args: list[str],
+          log_path: pathlib.Path | None = None,
+          **env_changes) -> processes.Child:
+    """Starts `python args...` for a run, its output piped (for stream)
+    or written to log_path. In our process group: a terminal's Ctrl-C
+    reaches it as before, and stream stops it on anything else."""
+    def start(stdout):
+        return processes.Child.start(
+            name, [sys.executable] + args,
+            processes.child_env(**env_changes), own_session=False,
+            text=True, stdout=stdout, stderr=subprocess.STDOUT)
 
-
-def child_env(**changes) -> dict:
-    """The environment of a run's processes: unbuffered output, TF's C++
-    chatter off, and no TF_CONFIG of ours leaking into them."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **changes)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    env.pop("TF_CONFIG", None)
-    return env
-
-
-def popen(args: list[str], log_path: pathlib.Path | None = None,
-          **env_changes):
-    return subprocess.Popen(
-        [sys.executable] + args, env=child_env(**env_changes), text=True,
-        stdout=subprocess.PIPE if log_path is None else open(log_path, "w"),
-        stderr=subprocess.STDOUT)
+    if log_path is None:
+        return start(subprocess.PIPE)
+    with open(log_path, "w") as log:  # the child writes to its own copy
+        return start(log)
 
 
 def run_ps(s: Settings, workers: int, name: str, label: str) -> Run:
@@ -156,9 +153,10 @@ def run_ps(s: Settings, workers: int, name: str, label: str) -> Run:
     out = s.out
     logdir = out / name
     report = out / f"{name}.launch.json"
-    process = popen(["-m", "trainer.launch", f"--num_workers={workers}",
-                      f"--num_ps={s.num_ps}", f"--logdir={logdir}",
-                      f"--report={report}", *s.train_flags])
+    process = popen("launcher", ["-m", "trainer.launch",
+                                 f"--num_workers={workers}",
+                                 f"--num_ps={s.num_ps}", f"--logdir={logdir}",
+                                 f"--report={report}", *s.train_flags])
     (status,) = stream([process], label, s.timeout)
     if status != 0:
         raise RunFailed(f"{label} failed with status {status}")
@@ -184,8 +182,9 @@ def run_single(s: Settings, threads: int, name: str, label: str) -> Run:
     results = s.out / f"{name}.results.json"
     # A process without a server sizes its thread pool from this variable,
     # not from the session's ConfigProto.
-    process = popen(["-m", "trainer.bench.baselines", "single", str(config),
-                      str(results)], TF_NUM_INTRAOP_THREADS=str(threads))
+    process = popen("single", ["-m", "trainer.bench.baselines", "single",
+                               str(config), str(results)],
+                    TF_NUM_INTRAOP_THREADS=str(threads))
     (status,) = stream([process], label, s.timeout)
     if status != 0:
         raise RunFailed(f"{label} failed with status {status}")
@@ -201,11 +200,17 @@ def run_mwms(s: Settings, workers: int, name: str, label: str) -> Run:
     hosts = ",".join(f"localhost:{p}"
                      for p in launcher.free_ports("localhost", workers))
     outputs = [out / f"{name}.worker{i}.json" for i in range(workers)]
-    processes = [popen(["-m", "trainer.bench.baselines", "mwms", str(config),
-                         str(outputs[i]), str(i), hosts],
-                        None if i == 0 else out / f"{name}.worker{i}.log")
-                 for i in range(workers)]
-    statuses = stream(processes, label, s.timeout)
+    children = []
+    try:
+        for i in range(workers):
+            children.append(popen(
+                f"worker{i}", ["-m", "trainer.bench.baselines", "mwms",
+                               str(config), str(outputs[i]), str(i), hosts],
+                None if i == 0 else out / f"{name}.worker{i}.log"))
+    except BaseException:  # Ctrl-C or a failed start: stop those started
+        processes.stop_all(children, STOP_GRACE_SECS)
+        raise
+    statuses = stream(children, label, s.timeout)
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}")
     per_worker = [json.loads(p.read_text()) for p in outputs]
