@@ -35,15 +35,15 @@ def cluster():
 
 
 class Protocol:
-    """SyncState plus feedable pushes and reads, one update, and probes."""
+    """Averaging plus feedable pushes and reads, one update, and probes."""
 
     def __init__(self, target, num_workers, replicas,
                  wire_dtype=tf.float32):
         self.graph = tf.Graph()
         devices = ["/job:ps/task:0", "/job:ps/task:1"]
         with self.graph.as_default():
-            self.state = sync.SyncState(num_workers, replicas, SHARDS,
-                                        devices, "test", wire_dtype)
+            self.state = sync.Averaging(num_workers, replicas, SHARDS,
+                                        devices, wire_dtype)
             self.params = []
             for i, n in enumerate(SHARDS):
                 with tf.device(devices[i]):
@@ -59,7 +59,7 @@ class Protocol:
                 self.grads_in = [tf.compat.v1.placeholder(tf.float32, [n])
                                  for n in SHARDS]
                 self.stats_in = tf.compat.v1.placeholder(tf.float32, [3])
-                self.read_params = self.state.read_params(read_step,
+                self.read_params = self.state.pull(read_step,
                                                           self.params)
             self.pushes = [self.state.push(k, self.step_in, self.grads_in,
                                            self.stats_in)
@@ -70,11 +70,12 @@ class Protocol:
                                for p, v in zip(self.params, self.params_in)]
             with tf.device(devices[0]):
                 step = self.state.global_step.read_value()
-                mean, self.step_stats = self.state.aggregate(step)
+                mean, self.step_stats = self.state.average(
+                    self.state.admit(step))
                 optimizer = tf.compat.v1.train.GradientDescentOptimizer(
                     LEARNING_RATE)
                 update = optimizer.apply_gradients(zip(mean, self.params))
-                self.next_step = self.state.finish_step(step, [update])
+                self.next_step = self.state.count_and_advance(step, [update])
                 self.token_counts = [q.size() for q in self.state.tokens]
                 self.tokens = [self.state.next_token(k)
                                for k in range(num_workers)]
@@ -338,14 +339,14 @@ def test_bytes_crossing_between_ps_and_worker(cluster, dtype, width):
 @pytest.mark.parametrize("bad", [tf.int8, "float64", "bf16"])
 def test_other_wire_dtypes_are_refused(bad):
     with tf.Graph().as_default(), pytest.raises(UserError, match="bfloat16"):
-        sync.SyncState(1, 1, SHARDS, ["/job:ps/task:0"] * 2, "test", bad)
+        sync.Averaging(1, 1, SHARDS, ["/job:ps/task:0"] * 2, bad)
 
 
 # --- Ordered pulls: shard s goes to workers s, s + 1, ... (mod N) in turn.
 
 
 class PullTurns:
-    """The turn ops of SyncState(ordered_pulls=True) for 3 workers and the
+    """The turn ops of Averaging(ordered_pulls=True) for 3 workers and the
     2 shards, fed with the step: `waits[k][s]` is worker k's wait for
     shard s, `passes[k]` hands on every turn worker k holds."""
 
@@ -353,8 +354,8 @@ class PullTurns:
         self.graph = tf.Graph()
         devices = ["/job:ps/task:0", "/job:ps/task:1"]
         with self.graph.as_default():
-            self.state = sync.SyncState(num_workers, num_workers, SHARDS,
-                                        devices, "test", ordered_pulls=True)
+            self.state = sync.Averaging(num_workers, num_workers, SHARDS,
+                                        devices, ordered_pulls=True)
             turns = self.state.pull_turns
             with tf.device(devices[0]):
                 self.step_in = tf.compat.v1.placeholder(tf.int64, [])

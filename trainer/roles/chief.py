@@ -68,8 +68,9 @@ class Chief(WorkerRole):
 
         def run_steps(start: int, count: int) -> dict:
             # The first step also waits for every worker to start.
-            with dog.busy(self.config.startup_timeout_secs
-                          if start == first_step else None):
+            first = start == first_step
+            with dog.busy(self.config.startup_timeout_secs if first else None,
+                          "--startup_timeout_secs" if first else None):
                 out = loop(start, count)
             if out["steps_done"] != count or (
                     out["next_step"] != start + count):
@@ -125,13 +126,13 @@ class Chief(WorkerRole):
             restored = checkpoints.restore_newest_readable(
                 ops.saver, self.session, logdir)
             self.session.run(ops.transient_init_op)
-            step = int(self.session.run(self.g.coord.global_step))
+            step = int(self.session.run(self.g.handles.global_step))
             logging.info("restored %s (global step %d)", restored, step)
             self._counted_before = self._counted_at_save.get(
                 step, self._no_counts())
         else:
             self.session.run(ops.init_op)
-            step = int(self.session.run(self.g.coord.global_step))
+            step = int(self.session.run(self.g.handles.global_step))
             self._counted_before = self._no_counts()
             logging.info("initialized the parameters (no checkpoint in %s)",
                          logdir)

@@ -1,10 +1,8 @@
 """What the chief and the other workers share: a session that survives the
 loss of a ps task, fast callables, and the watchdog on a stalled step.
 
-A worker that loses the ps tasks (one died or restarted) reconnects: it
-waits for them, opens a new session and goes on (the chief first restores
-the latest checkpoint, since a restarted ps has lost the variables). It
-gives up if no step succeeds for --startup_timeout_secs.
+A worker that loses the ps tasks (one died or restarted) reconnects:
+`WorkerRole.run` says how, step by step.
 """
 
 import abc
@@ -67,10 +65,26 @@ class WorkerRole(abc.ABC):
     @abc.abstractmethod
     def run_connected(self) -> None:
         """Trains to the end with an open session: the chief's and the
-        other workers' own part (trainer/roles/chief.py, trainer/roles/worker.py)."""
+        other workers' own part (trainer/roles/chief.py,
+        trainer/roles/worker.py)."""
 
     def run(self) -> None:
-        """Connects, trains and reconnects after a lost ps, to the end."""
+        """Connects and trains to the end, reconnecting after a lost ps.
+
+        A worker's reconnect, all of it:
+        1. a session.run fails with one of PS_LOST (a ps died, restarted
+           or is cut off); anything else, or a failure after the watchdog
+           closed the session, ends the task (`_check_reconnectable`);
+        2. the broken session is closed; if no step has succeeded for
+           --startup_timeout_secs the task gives up (`_check_reconnectable`);
+        3. `_connect`: wait until every ps accepts connections, open a new
+           session, load the data into it;
+        4. `run_connected` starts over: the chief restores the newest
+           checkpoint, since a restarted ps lost the variables, and hands
+           out the step (chief.py `_initialize_or_restore`, the averaging
+           protocol's start_op); another worker waits for the chief's
+           handshake and resyncs to the global step (worker.py).
+        """
         # Saver.save and .restore build nothing here, but look at the
         # default graph to decide between graph and eager mode.
         with self.g.graph.as_default():
@@ -80,13 +94,7 @@ class WorkerRole(abc.ABC):
                     self.run_connected()
                     return
                 except Exception as e:  # noqa: BLE001 (re-raised below)
-                    with self._lock:
-                        reason = self._stop_reason
-                    if reason:  # the watchdog closed the session
-                        raise RunFailed(reason) from None
-                    if not isinstance(e, PS_LOST):
-                        raise
-                    self._handle_lost(e)
+                    self._check_reconnectable(e)
 
     def _connect(self) -> None:
         wait_for_ps(self.task, self.config.startup_timeout_secs)
@@ -99,8 +107,15 @@ class WorkerRole(abc.ABC):
             self.g.chief.testset_init(self.session, self.mnist.test_images,
                                       self.mnist.test_labels)
 
-    def _handle_lost(self, error: tf.errors.OpError) -> None:
-        """Closes the broken session; fails if nothing has worked for long."""
+    def _check_reconnectable(self, error: Exception) -> None:
+        """Re-raises `error` unless it is a lost ps worth reconnecting
+        after; closes the broken session either way."""
+        with self._lock:
+            reason = self._stop_reason
+        if reason:  # the watchdog closed the session
+            raise RunFailed(reason) from None
+        if not isinstance(error, PS_LOST):
+            raise error
         self.close_session()
         first_line = error_summary(error)
         if time.monotonic() - self.last_progress > (
@@ -139,12 +154,13 @@ class WorkerRole(abc.ABC):
                                      feeds),
             self.config.trace_range(), self.traces)
 
-    def watchdog(self, timeout_secs: float,
-                 on_timeout) -> watchdog_lib.Watchdog:
+    def watchdog(self, timeout_secs: float, on_timeout,
+                 timeout_flag: str = "--worker_timeout_secs"
+                 ) -> watchdog_lib.Watchdog:
         """Calls on_timeout(step, who) when the global step stays put (step
-        None: ps 0 did not answer)."""
-        fetches = {"step": self.g.coord.global_step,
-                   "admitted": self.g.coord.admitted}
+        None: ps 0 did not answer); warnings name `timeout_flag`."""
+        fetches = {"step": self.g.handles.global_step,
+                   "admitted": self.g.handles.admitted}
         cluster = self.task.cluster
 
         def read_progress():
@@ -164,7 +180,8 @@ class WorkerRole(abc.ABC):
 
         return watchdog_lib.Watchdog(
             read_progress, describe_missing, timeout_secs, on_timeout,
-            f"{cluster.describe('ps', 0)}, which does not answer")
+            f"{cluster.describe('ps', 0)}, which does not answer",
+            timeout_flag)
 
     def give_up(self, reason: str) -> None:
         """From the watchdog: end the blocked session.run with a reason."""

@@ -5,10 +5,10 @@ from absl import logging
 import tensorflow as tf
 
 from trainer.cluster import devices
-from trainer.sync import averaging as sync_lib
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
+from trainer.sync import coordination
 
 
 def serve(config: TrainConfig, task: Task, server) -> None:
@@ -19,7 +19,7 @@ def serve(config: TrainConfig, task: Task, server) -> None:
     """
     graph = tf.Graph()
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):
-        wait = sync_lib.shutdown_queue(task.task_index).dequeue()
+        wait = coordination.shutdown_queue(task.task_index).dequeue()
     options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
     with tf.compat.v1.Session(server.target, graph=graph,
                               config=devices.session_config(config, task)

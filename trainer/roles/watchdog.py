@@ -66,7 +66,8 @@ class Watchdog:
     def __init__(self, read_progress: Callable[[], tuple[int, list]],
                  describe_missing: Callable[[list], str], timeout_secs: float,
                  on_timeout: Callable[[int | None, str], None],
-                 unreachable: str = "ps 0, which does not answer"):
+                 unreachable: str = "ps 0, which does not answer",
+                 timeout_flag: str = "--worker_timeout_secs"):
         """
         Args:
           read_progress: () -> (global step, admitted flags per worker).
@@ -75,12 +76,16 @@ class Watchdog:
           on_timeout: (step, who) -> None, called once, from the thread;
             step is None when no read has succeeded in this busy period.
           unreachable: `who` when the last reads failed.
+          timeout_flag: the flag that sets timeout_secs, named in the
+            warnings (a non-chief worker waits 2 x --worker_timeout_secs).
         """
         self._read = _BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable
         self._timeout = timeout_secs
         self._run_timeout = timeout_secs
+        self._flag = timeout_flag
+        self._run_flag = timeout_flag
         self._on_timeout = on_timeout
         self._busy = threading.Event()
         self._stop = threading.Event()
@@ -95,17 +100,21 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=CHECK_SECS * 3)
 
-    def busy(self, timeout_secs: float | None = None):
+    def busy(self, timeout_secs: float | None = None,
+             timeout_flag: str | None = None):
         """Context: the step should move while inside (a training run).
 
-        `timeout_secs` replaces the timeout for this run (the first step,
-        which waits for every worker to start, gets the start-up timeout).
+        `timeout_secs`, set by `timeout_flag`, replaces the timeout for this
+        run (the chief's first step, which waits for every worker to start,
+        gets --startup_timeout_secs).
         """
         watchdog = self
 
         class _Busy:
             def __enter__(self):
                 watchdog._run_timeout = timeout_secs or watchdog._timeout
+                watchdog._run_flag = (timeout_flag if timeout_secs
+                                      else watchdog._flag)
                 watchdog._busy.set()
 
             def __exit__(self, *exc):
@@ -138,7 +147,7 @@ class Watchdog:
             if next_warning is not None and now >= next_warning:
                 logging.warning(
                     "global step %d has not moved for %.0f s; waiting for "
-                    "%s (giving up after %.0f s, --worker_timeout_secs)",
+                    "%s (giving up after %.0f s, %s)",
                     step, stalled, self._describe(admitted),
-                    self._run_timeout)
+                    self._run_timeout, self._run_flag)
                 next_warning = now + WARN_EVERY_SECS

@@ -9,25 +9,25 @@ slot, and the chief admits each worker at most once per step.
 The protocol for global step `t`, with N workers of which R are aggregated
 (N = R + backup workers):
 
-1. Worker k learns `t`: the chief from its own loop, every other worker
+1. Pull: worker k learns `t`: the chief from its own loop, every other worker
    from its token queue `sync/tokens_<k>` (on ps 0), which only the chief
    fills. The parameters are read after the token, so they already hold
    step t-1's update (with ordered pulls, by worker k > 0 only after
    worker k - 1: trainer/sync/pull_turns.py).
-2. Worker k writes the sum of its per-example gradients into row k of the
+2. Push: worker k writes the sum of its per-example gradients into row k of the
    gradient slot variable of every ps shard, and (examples, loss sum,
    correct predictions) into row k of `sync/stats`. Then it enqueues the
    arrival (k, t) on `sync/arrivals`.
-3. The chief takes arrivals until R distinct workers have arrived for step
-   t. An arrival for another step is stale: it is dropped and counted. A
+3. Admit: the chief takes arrivals until R distinct workers have arrived
+   for step t. An arrival for another step is stale: it is dropped and counted. A
    second arrival from an already admitted worker (a restarted worker
    redoing its step) is ignored. Admission is recorded in the variable
    `sync/admitted`, so a step cancelled halfway can be retried.
-4. The chief sums the admitted rows and divides by their example count,
-   which is the gradient of the union of their slices (the whole global
-   batch when R = N), applies it, adds the admitted workers to
-   `sync/contributions`, sets global_step = t + 1 and puts t + 1 in every
-   worker's token queue.
+4. Average: the chief sums the admitted rows and divides by their example
+   count, which is the gradient of the union of their slices (the whole
+   global batch when R = N). It applies the mean (trainer/roles/step.py),
+   then counts: adds the admitted workers to `sync/contributions`, sets
+   global_step = t + 1 and puts t + 1 in every worker's token queue.
 
 A worker receives token t + 1 only after step t is applied, so it never
 runs ahead; it writes only its own row and is admitted once, so no step
@@ -37,26 +37,38 @@ The wire dtype (trainer/sync/wire.py) is the format of the parameters (step
 1's read) and the gradient sums (step 2's write) on the ps links; the ps
 keeps, sums and applies float32, and the step and statistics cross
 bit-exact, so the workers' rounding is the only approximation.
+
+The run's coordination around this protocol (start-up handshake, stop
+broadcast, end-of-run reports, ps shutdown) is trainer/sync/coordination.py.
 """
 
 import tensorflow as tf
 
+from trainer.learning.replica import NUM_STATS
 from trainer.sync import pull_turns
 from trainer.sync import queues
 from trainer.sync import wire
-from trainer.learning.replica import NUM_STATS
 
-# Token that tells workers the chief has stopped the run (see stop_reason).
+# Token that tells workers the chief has stopped the run
+# (trainer/sync/coordination.py says why).
 STOP = -1
+# Variables a checkpoint does not hold: the chief initializes them afresh
+# after every restore.
 TRANSIENT = "sync_transient_variables"
 
 
-def _variable(name, shape, dtype, initializer, transient):
+def ps_variable(name, shape, dtype, initializer, transient):
+    """A non-trainable resource variable on the current (ps) device,
+    global, and in TRANSIENT if `transient`."""
     return tf.compat.v1.get_variable(
         name, shape, dtype, initializer=initializer, trainable=False,
         use_resource=True,
         collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES] + (
             [TRANSIENT] if transient else []))
+
+
+def transient_variables() -> list:
+    return tf.compat.v1.get_collection(TRANSIENT)
 
 
 def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
@@ -75,27 +87,19 @@ def _write_row(variable, row: tf.Tensor, value: tf.Tensor) -> tf.Operation:
         resource=variable.handle, indices=row, updates=value[None])
 
 
-def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
-    """The queue ps task `ps_index` waits on before it exits.
+class Averaging:
+    """The averaging protocol's shared state and its steps, built alike by
+    every worker.
 
-    Build it under that ps task's device; the chief puts one element in it
-    when the run is over: 0 if training finished, 1 if the run failed.
-    """
-    return queues.shared_queue(f"shutdown/ps_{ps_index}", [tf.int32], [[]])
-
-
-class SyncState:
-    """The shared state of the protocol, created alike by every worker.
-
-    Every worker builds this with the same arguments; TensorFlow matches
-    variables by name and queues by shared_name on the ps devices, so they
-    all address the same resources.
+    TensorFlow matches variables by name and queues by shared_name on the
+    ps devices, so every worker's graph addresses the same resources.
+    Worker side: pull, push, next_token, resync_step. Chief side: admit,
+    average, count_and_advance, start_op, stop_workers.
     """
 
     def __init__(self, num_workers: int, replicas_to_aggregate: int,
                  shard_sizes: list[int], shard_devices: list[str],
-                 fingerprint: str, wire_dtype=tf.float32,
-                 ordered_pulls: bool = False):
+                 wire_dtype=tf.float32, ordered_pulls: bool = False):
         """
         Args:
           num_workers: N, every worker that computes gradients.
@@ -103,57 +107,46 @@ class SyncState:
           shard_sizes: floats in each parameter shard.
           shard_devices: the ps device of each shard; shard 0 is on the
             device that also holds the step, the queues and the statistics.
-          fingerprint: text that describes the cluster and the run; every
-            worker compares its own with the chief's before training.
           wire_dtype: tf.float32, tf.bfloat16 or tf.float16 (or the name):
             the format of parameters and gradients between ps and workers
             (trainer/sync/wire.py). Raises UserError for any other.
+          ordered_pulls: workers read each shard in turn
+            (trainer/sync/pull_turns.py).
         """
         self.wire_dtype = wire.wire_dtype(wire_dtype)
         self.num_workers = num_workers
         self.replicas = replicas_to_aggregate
         self.shard_sizes = shard_sizes
         self.shard_devices = shard_devices
-        self.fingerprint = fingerprint
         self.pull_turns = pull_turns.PullTurns(num_workers, shard_devices,
                                                ordered_pulls)
         zeros = tf.compat.v1.zeros_initializer()
         with tf.device(shard_devices[0]):
-            self.global_step = _variable("global_step", [], tf.int64, zeros,
-                                         transient=False)
-            self.dropped = _variable("sync/dropped_gradients", [], tf.int64,
-                                     zeros, transient=False)
-            self.admitted = _variable("sync/admitted", [num_workers],
-                                      tf.float32, zeros, transient=True)
-            self.contributions = _variable(  # see finish_step
+            self.global_step = ps_variable("global_step", [], tf.int64, zeros,
+                                           transient=False)
+            self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
+                                       zeros, transient=False)
+            self.admitted = ps_variable("sync/admitted", [num_workers],
+                                        tf.float32, zeros, transient=True)
+            self.contributions = ps_variable(  # see count_and_advance
                 "sync/contributions", [num_workers], tf.int64, zeros, True)
-            self.stats = _variable("sync/stats", [num_workers, NUM_STATS],
-                                   tf.float32, zeros, transient=True)
-            self.stop_reason = _variable(
-                "sync/stop_reason", [], tf.string,
-                tf.compat.v1.constant_initializer(""), transient=True)
-            # Not a global variable: the chief initializes it last, so a
-            # worker that sees it initialized knows the chief is done.
-            self.cluster_fingerprint = tf.compat.v1.get_variable(
-                "sync/cluster_fingerprint", [], tf.string,
-                initializer=tf.compat.v1.constant_initializer(fingerprint),
-                trainable=False, use_resource=True, collections=[])
-            pairs = [tf.int32, tf.int64], [[], []]  # (worker, step)
-            self.arrivals = queues.shared_queue("sync/arrivals", *pairs)
-            self.finished = queues.shared_queue("sync/finished", *pairs)
+            self.stats = ps_variable("sync/stats", [num_workers, NUM_STATS],
+                                     tf.float32, zeros, transient=True)
+            self.arrivals = queues.shared_queue(  # (worker, step)
+                "sync/arrivals", [tf.int32, tf.int64], [[], []])
             self.tokens = [queues.step_queue(f"sync/tokens_{k}")
                            for k in range(num_workers)]
         self.grads = []
         for s, (size, device) in enumerate(zip(shard_sizes, shard_devices)):
             with tf.device(device):
-                self.grads.append(_variable(f"sync/grads_{s}",
-                                            [num_workers, size], tf.float32,
-                                            zeros, transient=True))
+                self.grads.append(ps_variable(f"sync/grads_{s}",
+                                              [num_workers, size], tf.float32,
+                                              zeros, transient=True))
 
     # --- Worker side ---
 
-    def read_params(self, step: tf.Tensor, shard_variables: list,
-                    ready: list | None = None) -> tuple:
+    def pull(self, step: tf.Tensor, shard_variables: list,
+             ready: list | None = None) -> tuple:
         """Reads every shard s after `step` and `ready[s]` (its pull turn,
         PullTurns.wait) are known; returns (step, values).
 
@@ -245,12 +238,12 @@ class SyncState:
 
     # --- Chief side ---
 
-    def aggregate(self, step: tf.Tensor) -> tuple[list, tf.Tensor]:
-        """Admits R arrivals for `step` and averages their gradients.
+    def admit(self, step: tf.Tensor) -> tf.Tensor:
+        """Takes arrivals until R distinct workers have arrived for `step`.
 
-        Returns:
-          mean_grads: float32 [n_s] per shard, the example-weighted mean.
-          stats: float32 [3], summed over the admitted workers.
+        Returns the admitted rows (int64 [R]). A stale arrival (another
+        step) is dropped and counted; a second one from an admitted worker
+        (a restarted worker redoing its step) is ignored.
         """
         with tf.device(self.shard_devices[0]):
             with tf.control_dependencies([step]):
@@ -275,9 +268,18 @@ class SyncState:
                     return count + tf.cast(fresh, tf.int32)
 
             (admitted,) = tf.while_loop(wait_for_more, admit_one, [admitted0],
-                                     parallel_iterations=1)
+                                        parallel_iterations=1)
             with tf.control_dependencies([admitted]):
-                rows = tf.where(self.admitted.read_value() > 0.5)[:, 0]
+                return tf.where(self.admitted.read_value() > 0.5)[:, 0]
+
+    def average(self, rows: tf.Tensor) -> tuple[list, tf.Tensor]:
+        """The example-weighted mean of the gradients in `rows` (admit).
+
+        Returns:
+          mean_grads: float32 [n_s] per shard, each on its ps.
+          stats: float32 [3], summed over the admitted workers.
+        """
+        with tf.device(self.shard_devices[0]):
             stats = tf.reduce_sum(self.stats.sparse_read(rows), axis=0)
         mean_grads = []
         for grads, device in zip(self.grads, self.shard_devices):
@@ -286,8 +288,9 @@ class SyncState:
                     tf.reduce_sum(grads.sparse_read(rows), axis=0) / stats[0])
         return mean_grads, stats
 
-    def finish_step(self, step: tf.Tensor, after: list) -> tf.Tensor:
-        """After `after` (the update), advances the step and wakes workers.
+    def count_and_advance(self, step: tf.Tensor, after: list) -> tf.Tensor:
+        """After `after` (the update), counts the admitted gradients,
+        advances the step and wakes the other workers.
 
         Returns step + 1 (int64 scalar on ps 0), available only once every
         worker's token for it is queued.
@@ -310,34 +313,31 @@ class SyncState:
             with tf.control_dependencies(advance + wake):
                 return tf.identity(next_step)
 
-    def start_op(self) -> tf.Operation:
+    def start_op(self, after: list = ()) -> tf.Operation:
         """Run by the chief after init or restore, before marking ready.
 
-        Forgets admissions and arrivals of an interrupted step, then hands
-        every worker the current step, which also releases workers that
-        were waiting for a step a previous chief never finished (and, with
-        ordered pulls, for a turn it never passed).
+        Forgets admissions and arrivals of an interrupted step, then (after
+        `after` too) hands every worker the current step, which also
+        releases workers that were waiting for a step a previous chief
+        never finished (and, with ordered pulls, for a turn it never
+        passed).
         """
         with tf.device(self.shard_devices[0]):
             reset = [
                 self.admitted.assign(tf.zeros([self.num_workers]),
                                      read_value=False),
-                self.stop_reason.assign("", read_value=False),
                 self.arrivals.dequeue_many(self.arrivals.size())[0].op,
-                *self.pull_turns.release_all()]
+                *self.pull_turns.release_all(), *after]
             with tf.control_dependencies(reset):
                 step = self.global_step.read_value()
                 return tf.group([queue.enqueue(step)
                                  for queue in self.tokens[1:]])
 
-    def stop_op(self, reason: tf.Tensor) -> tf.Operation:
-        """Tells every worker to stop, with a reason they will log."""
+    def stop_workers(self, after: list) -> tf.Operation:
+        """After `after`, hands every other worker the STOP token (and
+        lets through any that waits for a pull turn)."""
         with tf.device(self.shard_devices[0]):
-            with tf.control_dependencies([
-                    self.stop_reason.assign(reason, read_value=False),
-                    *self.pull_turns.release_all()]):
+            with tf.control_dependencies([*after,
+                                          *self.pull_turns.release_all()]):
                 return tf.group([queue.enqueue(tf.constant(STOP, tf.int64))
                                  for queue in self.tokens[1:]])
-
-    def transient_variables(self) -> list:
-        return tf.compat.v1.get_collection(TRANSIENT)
