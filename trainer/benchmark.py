@@ -119,7 +119,8 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
     total = len(plan) * FLAGS.repeats
     local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single,
              "mwms": runs_lib.run_mwms}
-    on_hosts = {"ps": simulated.run_ps, "single": simulated.run_single}
+    on_hosts = {"ps": simulated.run_ps_on_hosts,
+                "single": simulated.run_single_on_host}
     grouped, done, start = [], 0, time.monotonic()
     for kind, count in plan:
         group = []

@@ -40,6 +40,7 @@ from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.bench import runs as runs_lib
+from trainer.common import processes
 from trainer.common.errors import RunFailed
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -83,8 +84,8 @@ def ps_link_bound_ms(config, num_ps: int, workers: int,
     return 1000.0 * in_turn * 8 / rate_bps
 
 
-def run_ps(s: runs_lib.Settings, workers: int, name: str,
-           label: str) -> runs_lib.Run:
+def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
+                    label: str) -> runs_lib.Run:
     """1 host per ps task and per worker; tasks via run_ps.sh and
     run_worker.sh. The chief's output drives the progress lines."""
     sim: HostSettings = s.sim
@@ -95,7 +96,7 @@ def run_ps(s: runs_lib.Settings, workers: int, name: str,
               for i in range(s.num_ps)]
         wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
               for k in range(workers)]
-        env = runs_lib.child_env(
+        env = processes.child_env(
             PS_HOSTS=",".join(f"{h.address}:{PORT}" for h in ps),
             WORKER_HOSTS=",".join(f"{h.address}:{PORT}" for h in wk),
             PYTHON=sys.executable)
@@ -127,14 +128,14 @@ def run_ps(s: runs_lib.Settings, workers: int, name: str,
                         {"chief": results["peak_rss_mb"]}, s.num_ps)
 
 
-def run_single(s: runs_lib.Settings, threads: int, name: str,
-               label: str) -> runs_lib.Run:
+def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
+                       label: str) -> runs_lib.Run:
     """The single-process baseline on one host of the workers' budget."""
     config = runs_lib.write_config(s, name, intra_op_threads=threads)
     results = s.out / f"{name}.results.json"
     with hosts_lib.SimulatedHosts() as net:
         host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
-        env = runs_lib.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
+        env = processes.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
         process = host.popen(
             [sys.executable, "-m", "trainer.bench.baselines", "single",
              str(config), str(results)], env=env, cwd=str(REPO),
