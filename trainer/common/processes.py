@@ -179,7 +179,8 @@ def terminate_then_kill(alive: Callable[[], Iterable],
             return
         if signum == signal.SIGKILL:
             logging.warning("killing %s: still alive %.0f s after SIGTERM",
-                            ", ".join(str(t) for t in targets), grace_secs)
+                            ", ".join(sorted(str(t) for t in targets)),
+                            grace_secs)
         for target in targets:
             send(target, signum)
         deadline = time.monotonic() + wait_secs

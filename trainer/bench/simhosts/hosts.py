@@ -30,6 +30,7 @@ import time
 
 from absl import logging
 
+from trainer.common import processes
 from trainer.common.errors import RunFailed, UserError
 from trainer.bench.simhosts.limits import (  # noqa: F401 (parse_rate: public here)
     check_cpu, cfs_period_us, parse_rate, tbf_args)
@@ -129,22 +130,17 @@ def _tag_pids(tag: str) -> set[int]:
 
 
 def _terminate(popens, tag: str, grace_secs: float) -> None:
-    """SIGTERM, then SIGKILL after grace_secs, each live process of the tag."""
+    """SIGTERM, then SIGKILL after grace_secs, each live process of the tag
+    (processes.terminate_then_kill)."""
     def alive():  # poll() reaps: a pid stays ours until it has been reaped
         return _tag_pids(tag) | {p.pid for p in popens if p.poll() is None}
 
-    for sig, wait_secs in ((signal.SIGTERM, grace_secs),
-                           (signal.SIGKILL, 10.0)):
-        pids = alive()
-        if pids and sig == signal.SIGKILL:
-            logging.warning("killing %s: still alive %.0f s after SIGTERM",
-                            sorted(pids), grace_secs)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.kill(pid, sig)
-        deadline = time.monotonic() + wait_secs
-        while pids and (pids := alive()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    def send(pid, signum):
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            os.kill(pid, signum)
+
+    processes.terminate_then_kill(alive, send, grace_secs,
+                                  poll_secs=0.1)
 
 
 def _remove_cgroup(path: str, timeout_secs: float = 5.0) -> None:
