@@ -14,7 +14,6 @@ every check passed.
 
 import datetime
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -28,6 +27,8 @@ from absl import logging
 
 from trainer import flags as trainer_flags
 from trainer.bench import report as bench_report
+from trainer.common import processes
+from trainer.observe import progress
 
 trainer_flags.define_local_cluster_flags(num_workers=4)
 
@@ -41,7 +42,11 @@ flags.DEFINE_float("sample_secs", 1.0, "Memory sampling interval.")
 
 FLAGS = flags.FLAGS
 _STARTED = re.compile(r"started (\w+) \(pid (\d+)\)")
-_STEP = re.compile(r"\[worker0\].* step (\d+)/(\d+)")
+# The launcher relays the chief's output with this prefix.
+_CHIEF = "[worker0] "
+# Seconds the launcher gets to stop its tasks (5 s of grace each, then
+# SIGKILL) before it is killed itself.
+_STOP_GRACE_SECS = 15.0
 
 
 def rss_mb(pid: int) -> float | None:
@@ -58,30 +63,32 @@ def rss_mb(pid: int) -> float | None:
 class Sampler:
     """Reads the launcher's output and every task's memory as it runs."""
 
-    def __init__(self, process: subprocess.Popen, log_path: pathlib.Path):
-        self.process = process
+    def __init__(self, launcher: processes.Child, log_path: pathlib.Path):
+        self.launcher = launcher
         self.log = open(log_path, "w")
         self.pids: dict[str, int] = {}
         self.step = 0
         self.samples: dict[str, list] = {}  # task -> [(step, MiB)]
         self.lock = threading.Lock()
 
-    def read_output(self) -> None:
-        for line in self.process.stdout:
-            self.log.write(line)
-            started = _STARTED.search(line)
-            if started:
-                with self.lock:
-                    self.pids[started.group(1)] = int(started.group(2))
-            step = _STEP.search(line)
-            if step:
-                self.step = int(step.group(1))
-                if self.step % 2000 == 0:
-                    logging.info("soak: step %s/%s", *step.groups())
-        self.log.close()
+    def read_line(self, line: str) -> None:
+        """Child.relay's on_line: logs the line, notes task pids and the
+        chief's step (the live figure; results.json has the final ones)."""
+        self.log.write(line)
+        started = _STARTED.search(line)
+        if started:
+            with self.lock:
+                self.pids[started.group(1)] = int(started.group(2))
+        figures = (progress.parse_progress_line(line)
+                   if line.startswith(_CHIEF) else None)
+        if figures:
+            self.step = figures["step"]
+            if self.step % 2000 == 0:
+                logging.info("soak: step %d/%d", self.step,
+                             figures["train_steps"])
 
     def sample(self, every: float) -> None:
-        while self.process.poll() is None:
+        while self.launcher.poll() is None:
             with self.lock:
                 pids = dict(self.pids)
             for name, pid in pids.items():
@@ -127,6 +134,27 @@ def check(samples: dict, results: dict, status: int, train_steps: int,
     return rows, failures
 
 
+def _run_launcher(command: list[str], log_path: pathlib.Path
+                  ) -> tuple[int, Sampler]:
+    """Runs the launcher to its end, sampling its tasks' memory; returns
+    its exit status and the sampler. In our process group (a terminal's
+    Ctrl-C reaches it, as it reaches us); stopped here on Ctrl-C or any
+    error (processes.stop_all), the launcher then stopping its tasks."""
+    launcher = processes.Child.start(
+        "launcher", command, processes.child_env(), own_session=False,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = Sampler(launcher, log_path)
+    try:
+        launcher.relay(sampler.read_line)
+        sampler.sample(FLAGS.sample_secs)
+        status = launcher.poll(block=True)
+    finally:
+        processes.stop_all([launcher], _STOP_GRACE_SECS)
+        launcher.join_relay(timeout=30)
+        sampler.log.close()
+    return status, sampler
+
+
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -144,15 +172,7 @@ def main(argv) -> int:
                *args]
     logging.info("soak: %s", " ".join(command[1:]))
     start = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True,
-                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    sampler = Sampler(process, out / "launch.log")
-    reader = threading.Thread(target=sampler.read_output, daemon=True)
-    reader.start()
-    sampler.sample(FLAGS.sample_secs)
-    status = process.wait()
-    reader.join(timeout=30)
+    status, sampler = _run_launcher(command, out / "launch.log")
     results_path = out / "run" / "results.json"
     results = (json.loads(results_path.read_text())
                if results_path.exists() else {})
