@@ -14,7 +14,7 @@ HParams data (`tensorboard --logdir OUT`) and, with matplotlib, a PNG.
 (thread counts follow the local launcher). --hosts=simulated puts every ps
 task and every worker on a simulated host of its own (trainer/bench/simhosts/hosts.py:
 --host_cpu / --ps_cpu cores, --link_rate) and adds the speedup S(N), the
-scaling efficiency S(N)/N and the ps-link bound (trainer/bench/simhosts/runs.py).
+scaling efficiency S(N)/N and the ps-link bound (trainer/bench/simhosts/bound.py).
 
 Every trainer flag (model, batch, optimizer, steps, ...) applies to every
 run. Traced runs (--trace_steps) add the step breakdown's columns.
@@ -24,7 +24,6 @@ import datetime
 import math
 import pathlib
 import statistics
-import sys
 import time
 
 from absl import app
@@ -36,6 +35,7 @@ from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.bench import dashboard
 from trainer.bench import report
 from trainer.bench import runs as runs_lib
+from trainer.bench.simhosts import bound as bound_lib
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
@@ -168,7 +168,7 @@ def make_rows(s: runs_lib.Settings, grouped: list) -> tuple[list, float]:
 
 def _add_host_columns(s: runs_lib.Settings, medians: list,
                       rows: list) -> None:
-    """Speedup, scaling efficiency and the ps-link bound (simulated.py)."""
+    """Speedup, scaling efficiency and the ps-link bound (bound.py)."""
     # S(N) needs the 1-worker run of the same benchmark.
     one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
                None)
@@ -182,10 +182,10 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
                        / one.results["images_per_sec"])
             row.update(speedup=speedup,
                        scaling_efficiency=speedup / run.workers)
-        bound = simulated.ps_link_bound_ms(s.config, s.num_ps, run.workers,
+        bound = bound_lib.ps_link_bound_ms(s.config, s.num_ps, run.workers,
                                            s.sim.link_rate_bps)
         row.update(
-            ps_link_bytes_per_step=simulated.busiest_ps_link_bytes(
+            ps_link_bytes_per_step=bound_lib.busiest_ps_link_bytes(
                 s.config, s.num_ps, run.workers),
             ps_link_bound_ms=bound,
             step_over_bound=run.results["mean_step_time_ms"] / bound)
@@ -264,7 +264,7 @@ def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
 
 
 def run_main():
-    app.run(lambda argv: sys.exit(main(argv)))
+    trainer_flags.run_command(main)
 
 
 if __name__ == "__main__":

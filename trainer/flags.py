@@ -4,10 +4,17 @@ The entry points (main, launch, benchmark, soak) import this module; none
 imports another entry point. Flags only describe the run: the library
 (trainer.roles.run and below) takes a TrainConfig and a Task and never reads
 FLAGS.
+
+Every command parses its flags through `run_command`: a bad flag or a stray
+argument is one line on stderr and exit status 2, as is every other input
+error (absl's own parser prints its usage hint and exits 1).
 """
 
 import os
+import sys
+from typing import Callable
 
+from absl import app
 from absl import flags
 from absl import logging
 
@@ -114,6 +121,38 @@ flags.DEFINE_string("trace_steps", None,
 flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
 
 FLAGS = flags.FLAGS
+INPUT_ERROR_STATUS = 2
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with its errors as one line and status 2.
+
+    Returns argv without the flags (the program name); anything else left
+    on the command line is an error too, since every setting is a flag.
+    """
+    try:
+        rest = FLAGS(argv)
+    except flags.Error as e:
+        _input_error(f"Flags parsing error: {' '.join(str(e).split())}; "
+                     "see --helpshort for the flags and their values")
+    if len(rest) > 1:
+        _input_error(f"unexpected arguments: {' '.join(rest[1:])}; give "
+                     "every setting as --flag=value (see --helpshort)")
+    return rest
+
+
+def _input_error(message: str) -> None:
+    """Ends the process before main: one line on stderr, status 2. The
+    line starts with FATAL, as absl's own flag errors do."""
+    sys.stderr.write(f"FATAL {message}\n")
+    sys.stderr.flush()
+    sys.exit(INPUT_ERROR_STATUS)
+
+
+def run_command(main: Callable[[list[str]], int]) -> None:
+    """Runs a command's main(argv) -> exit status under absl, its flags
+    parsed by parse_flags."""
+    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
 
 
 def trainer_flag_names() -> list[str]:

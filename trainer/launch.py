@@ -9,7 +9,6 @@ is passed on.
 """
 
 import signal
-import sys
 
 from absl import app
 from absl import flags
@@ -60,7 +59,7 @@ def main(argv) -> int:
 
 def run_main():
     """Console-script entry point."""
-    app.run(lambda argv: sys.exit(main(argv)))
+    trainer_flags.run_command(main)
 
 
 if __name__ == "__main__":

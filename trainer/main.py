@@ -86,7 +86,7 @@ def _exit_now(why: str, status: int) -> None:
 
 def run_main():
     """Console-script entry point."""
-    app.run(lambda argv: sys.exit(main(argv)))
+    trainer_flags.run_command(main)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def main(argv) -> int:
 
 
 def run_main():
-    app.run(lambda argv: sys.exit(main(argv)))
+    trainer_flags.run_command(main)
 
 
 if __name__ == "__main__":
