@@ -14,7 +14,7 @@ from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
 from trainer.bench import dashboard, runs
-from trainer.bench.simhosts import runs as simulated
+from trainer.bench.simhosts import bound
 from trainer.common.config import TrainConfig
 
 pytestmark = pytest.mark.cluster
@@ -153,12 +153,12 @@ def test_the_ps_link_bound():
     then the last pushes all P parameters' gradient over its own link."""
     mlp = TrainConfig(logdir="x", model="mlp")  # 101,770 parameters
     float32_ms = 1000 * (4 * 101_770 + 101_770) * 4 * 8 / 100e6
-    assert simulated.ps_link_bound_ms(mlp, 1, 4, int(100e6)) == \
+    assert bound.ps_link_bound_ms(mlp, 1, 4, int(100e6)) == \
         pytest.approx(float32_ms)
     bf16 = TrainConfig(logdir="x", model="mlp", wire_dtype="bfloat16")
-    assert simulated.ps_link_bound_ms(bf16, 1, 4, int(100e6)) == \
+    assert bound.ps_link_bound_ms(bf16, 1, 4, int(100e6)) == \
         pytest.approx(float32_ms / 2)
     # Two ps tasks, the parameters cut by bytes: half each (to an element).
     halves_ms = 1000 * (4 * 50_885 + 101_770) * 4 * 8 / 100e6
-    assert simulated.ps_link_bound_ms(mlp, 2, 4, int(100e6)) == \
+    assert bound.ps_link_bound_ms(mlp, 2, 4, int(100e6)) == \
         pytest.approx(halves_ms, rel=1e-4)

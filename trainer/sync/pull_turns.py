@@ -6,9 +6,10 @@ N x (parameter bytes) / (link rate) into the step, and then all N
 gradients queue for the ps link together: a step bound by the ps link
 takes up to 2N transfer times. In turn, worker 0 has its parameters after
 one transfer time and computes and pushes while worker 1 pulls, and so on,
-so the step takes about N + 1 transfer times: the ps-link bound of
-trainer/bench/simhosts/runs.py. On a link that does not bound the step the
-order only adds a small message per worker (see the README's figures).
+so the step takes about N + 1 transfer times, which is the ps-link bound
+(derived in trainer/bench/simhosts/bound.py). On a link that does not
+bound the step the order only adds a small message per worker (see the
+README's figures).
 
 How: per ps shard s, a queue of step numbers per worker,
 `sync/pull_turn_<s>_<k>` on that shard's ps. Shard s serves the workers

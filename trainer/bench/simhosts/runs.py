@@ -1,32 +1,8 @@
 """Benchmark runs on simulated hosts (trainer/bench/simhosts/hosts.py): every ps task and
 every worker on a host of its own, with a CPU budget and a link rate, each
-started through the per-machine scripts exactly as on real machines; and
-the ps-link bound those link rates put on a step.
-
-The ps-link bound. In every step each of the N workers reads every
-parameter shard from its ps task and writes its gradient for that shard
-back, so the link of the ps task holding the largest shard, of S floats of
-W bytes on the wire (4 for float32, 2 for bfloat16), carries N x S x W
-bytes out (parameters) and as many in (gradients). The simulated link
-shapes each direction to R bits/s (tbf on both ends of the veth). However
-the ps orders its sends, the last worker has its parameters no earlier
-than N x S x W x 8 / R after the step starts. Its gradient, P x W bytes
-for all P parameters (P = S with one ps), can only be computed then, and
-leaves through that worker's own link: P x W x 8 / R more. So no step can
-take less than
-
-    bound = (N x S + P) x W x 8 / R  seconds,
-
-which is (N + 1) x S x W x 8 / R with one ps task. (tbf lets a link that
-was idle send a burst of 10 ms of data at line speed, so a step can come
-in a little under it.)
-
-Measured steps also pay the compute, the latency of a few round trips, and
-gRPC's framing; the ratio measured / bound says how close to the link's
-limit a configuration runs. Reaching the bound takes one pull at a time
-(`--ordered_pulls`, trainer/sync/pull_turns.py): when TCP shares the link among
-all N pulls, they all end near N transfer times, and the N gradients then
-share the way in, up to 2N transfer times in all.
+started through the per-machine scripts exactly as on real machines. The
+ps-link bound those link rates put on a step is in
+trainer/bench/simhosts/bound.py.
 """
 
 import contextlib
@@ -37,8 +13,6 @@ import subprocess
 import sys
 
 from trainer.bench.simhosts import hosts as hosts_lib
-from trainer.learning import params as params_lib
-from trainer.learning import replica as replica_lib
 from trainer.bench import runs as runs_lib
 from trainer.common import processes
 from trainer.common.errors import RunFailed
@@ -56,32 +30,6 @@ class HostSettings:
     @property
     def link_rate_bps(self) -> int:
         return hosts_lib.parse_rate(self.link_rate)
-
-
-def wire_bytes_per_float(config) -> int:
-    return 2 if getattr(config, "wire_dtype", "float32") in (
-        "bfloat16", "float16") else 4
-
-
-def _shard_sizes(config, num_ps: int) -> list[int]:
-    return params_lib.FlatLayout(params_lib.plan_shards(
-        replica_lib.model_specs(config), num_ps)).sizes
-
-
-def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
-    """Bytes the busiest ps link carries each way per step (see above)."""
-    return (workers * max(_shard_sizes(config, num_ps))
-            * wire_bytes_per_float(config))
-
-
-def ps_link_bound_ms(config, num_ps: int, workers: int,
-                     rate_bps: int) -> float:
-    """The least step time the links allow (see above), in ms:
-    (N x S + P) x W x 8 / R."""
-    sizes = _shard_sizes(config, num_ps)
-    in_turn = (workers * max(sizes) + sum(sizes)) * wire_bytes_per_float(
-        config)
-    return 1000.0 * in_turn * 8 / rate_bps
 
 
 def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
