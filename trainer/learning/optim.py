@@ -1,7 +1,8 @@
 """The update rule and the learning-rate schedule: change the optimizer here.
 
-Both are chosen by name from a table (`--optimizer`, `--lr_schedule`); an
-unknown name is refused. Every trainer builds them from here: the ps chief
+Both are chosen by name from a table (`--optimizer`, `--lr_schedule`);
+the names are checked where the settings are, in config.validate, so
+here they are known to be valid. Every trainer builds them from here: the ps chief
 (a tf.compat.v1 optimizer applied on the ps tasks), the single-process
 baseline (the same optimizer in one process) and the MultiWorkerMirrored
 baseline (the same update kernels on a local flat variable, in eager mode).
@@ -13,7 +14,6 @@ import math
 import tensorflow as tf
 
 from trainer.common.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
-from trainer.common.errors import UserError
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8
 
@@ -35,11 +35,8 @@ assert tuple(_SCHEDULES) == LR_SCHEDULES
 
 
 def _schedule(config: TrainConfig):
-    try:
-        return _SCHEDULES[config.lr_schedule]
-    except KeyError:
-        raise UserError(f"--lr_schedule={config.lr_schedule} is unknown; "
-                        f"choose one of {', '.join(_SCHEDULES)}") from None
+    """The schedule config.lr_schedule names (checked by validate)."""
+    return _SCHEDULES[config.lr_schedule]
 
 
 def learning_rate(config: TrainConfig, step: tf.Tensor,
@@ -120,12 +117,8 @@ assert tuple(_RULES) == OPTIMIZERS
 
 
 def update_rule(config: TrainConfig):
-    """The rule named by config.optimizer; refuses an unknown name."""
-    try:
-        return _RULES[config.optimizer](config)
-    except KeyError:
-        raise UserError(f"--optimizer={config.optimizer} is unknown; choose "
-                        f"one of {', '.join(_RULES)}") from None
+    """The rule config.optimizer names (checked by config.validate)."""
+    return _RULES[config.optimizer](config)
 
 
 def make_optimizer(config: TrainConfig, rate) -> tf.compat.v1.train.Optimizer:
