@@ -1,14 +1,18 @@
-"""Checkpoints: what is saved, restoring with fallback, refusing a misfit.
+"""Checkpoints: the logdir, what is saved, restoring with fallback, refusing
+a misfit.
 
 Checkpoints store each parameter under its own name and shape
-(`model/conv1/kernel`, its optimizer slots as `model/conv1/kernel/Adam`),
-not the flat shard vectors, so a run can resume with a different number of
+(`model/conv1/kernel`, its optimizer slots under the slot's name:
+`model/conv1/kernel/m` and `.../v` with Adam, `.../momentum` with
+momentum, none with sgd), not the flat shard vectors, so a run can resume with a different number of
 ps tasks, and a checkpoint of another model is refused by name and shape.
 TensorFlow writes a checkpoint under temporary names and only then records
 it in `checkpoint`, so a crash while saving leaves the previous one usable.
 """
 
+import os
 import pathlib
+from typing import Callable, Mapping
 
 from absl import logging
 import tensorflow as tf
@@ -16,7 +20,7 @@ import tensorflow as tf
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.common.config import TrainConfig
-from trainer.common.errors import UserError
+from trainer.common.errors import UserError, edge
 from trainer.common.tf_session import error_summary
 
 CHECKPOINT_NAME = "model.ckpt"
@@ -82,6 +86,23 @@ def restore_newest_readable(saver, session, logdir: pathlib.Path) -> str:
         "move them elsewhere to start over, or give another --logdir")
 
 
+def prepare_logdir(logdir: str) -> None:
+    """Creates the logdir and checks that this task can write there.
+
+    Called before any server starts: a logdir that cannot be made or
+    written (a file on its path, no permission, a read-only or virtual file
+    system) is refused in one line instead of failing after the cluster is
+    up.
+    """
+    path = pathlib.Path(logdir)
+    with edge("--logdir", logdir, "give --logdir a folder this user can "
+              "create and write"):
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+
+
 def check_logdir_fits_model(config: TrainConfig) -> None:
     """Refuses, before any server starts, a logdir of another model."""
     latest = tf.train.latest_checkpoint(config.logdir)
@@ -94,24 +115,48 @@ def check_logdir_fits_model(config: TrainConfig) -> None:
 
 def check_matches(path: str, expected: dict, model: str,
                   exact: bool = False) -> None:
-    """Refuses a checkpoint whose entries do not fit this model."""
+    """Refuses a checkpoint whose entries do not fit this model; with
+    `exact`, also one with parameters this model does not have."""
     found = tf.train.load_checkpoint(path).get_variable_to_shape_map()
-    fix = "use a new --logdir, or the flags that wrote this checkpoint"
-    extra = sorted(name for name in found if name.startswith(
-        params_lib.SCOPE + "/") and name.count("/") == 2
-        and name not in expected)
-    if exact and extra:
-        raise UserError(
-            f"checkpoint {path} does not fit --model={model}: it has "
-            f"'{extra[0]}' {found[extra[0]]}, which this model does not; "
-            f"{fix}")
-    for name, shape in sorted(expected.items()):
+    check_fit(found, expected, f"checkpoint {path}", f"--model={model}",
+              "use a new --logdir, or the flags that wrote this checkpoint",
+              _is_parameter if exact else None)
+
+
+def _is_parameter(name: str) -> bool:
+    """A parameter's key ("model/conv1/kernel"), not a slot's or other."""
+    return name.startswith(params_lib.SCOPE + "/") and name.count("/") == 2
+
+
+def check_fit(found: Mapping, expected: Mapping, source: str, target: str,
+              fix: str, refuse: Callable[[str], bool] | None = None) -> None:
+    """The one check that parameters fit a model (checkpoints, exports).
+
+    Args:
+      found: name -> shape of what was given: a checkpoint's entries or
+        the values to export.
+      expected: name -> shape that `target` needs, in model order.
+      source, target: named in the message: "checkpoint <path>" does not
+        fit "--model=mlp".
+      fix: the end of the message: what to do instead.
+      refuse: names of `found` beyond `expected` for which this is true are
+        refused too; None: extra names are ignored.
+    Raises:
+      UserError: the first entry missing, of another shape, or refused.
+    """
+    problem = None
+    for name, shape in expected.items():
         if name not in found:
-            raise UserError(
-                f"checkpoint {path} does not fit --model={model}: it has no "
-                f"'{name}' {shape}; {fix}")
-        if list(found[name]) != list(shape):
-            raise UserError(
-                f"checkpoint {path} does not fit --model={model}: "
-                f"'{name}' is {list(found[name])} there but {shape} here; "
-                f"{fix}")
+            problem = f"no value for parameter '{name}' {list(shape)}"
+        elif list(found[name]) != list(shape):
+            problem = (f"parameter '{name}' is {list(found[name])} but "
+                       f"{target} needs {list(shape)}")
+        if problem:
+            break
+    extra = sorted(n for n in found if refuse and n not in expected
+                   and refuse(n))
+    if not problem and extra:
+        problem = f"'{extra[0]}' is not a parameter of {target}"
+    if problem:
+        raise UserError(f"{source} does not fit {target}: {problem}; {fix}")
+

@@ -29,7 +29,8 @@ from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.common.config import MODELS
 from trainer.learning.data import IMAGE_SIZE
-from trainer.common.errors import UserError
+from trainer.common.errors import UserError, edge
+from trainer.saving import checkpoints
 
 SIGNATURE_KEY = tf.saved_model.DEFAULT_SERVING_SIGNATURE_DEF_KEY
 
@@ -43,24 +44,16 @@ def parameter_shapes(model: str, hidden_units: int) -> dict[str, tuple]:
             for s in replica_lib.param_specs(model, hidden_units)}
 
 
-def check_values(values: dict, model: str, hidden_units: int) -> None:
-    """Refuses values that are not exactly the model's parameters."""
-    expected = parameter_shapes(model, hidden_units)
-    where = f"--model={model} --hidden_units={hidden_units}"
-    for name, shape in expected.items():
-        if name not in values:
-            raise UserError(f"no value for parameter '{name}' {list(shape)} "
-                            f"of {where}; export the parameters of a run "
-                            "with these flags")
-        if tuple(np.shape(values[name])) != shape:
-            raise UserError(
-                f"parameter '{name}' is {list(np.shape(values[name]))} but "
-                f"{where} needs {list(shape)}; use the flags of the run "
-                "that trained it")
-    extra = sorted(set(values) - set(expected))
-    if extra:
-        raise UserError(f"'{extra[0]}' is not a parameter of {where}; use "
-                        "the flags of the run that trained it")
+def check_values(values: dict, model: str, hidden_units: int,
+                 source: str = "the export") -> None:
+    """Refuses values that are not exactly the model's parameters
+    (checkpoints.check_fit, the check a resumed checkpoint passes too)."""
+    checkpoints.check_fit(
+        {name: list(np.shape(value)) for name, value in values.items()},
+        parameter_shapes(model, hidden_units), source,
+        f"--model={model} --hidden_units={hidden_units}",
+        "use the flags of the run that trained these parameters",
+        refuse=lambda name: True)
 
 
 def values_from_checkpoint(checkpoint_path: str, model: str,
@@ -90,7 +83,8 @@ def values_from_checkpoint(checkpoint_path: str, model: str,
     values = {name: reader.get_tensor(name).astype(np.float32)
               for name in parameter_shapes(model, hidden_units)
               if name in names}
-    check_values(values, model, hidden_units)
+    check_values(values, model, hidden_units,
+                 f"checkpoint {checkpoint_path}")
     return values
 
 
@@ -146,19 +140,26 @@ def export_saved_model(export_dir: str, model: str, hidden_units: int,
     """
     check_values(values, model, hidden_units)
     target = pathlib.Path(export_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built in a hidden sibling, then moved into place by _replace. The
-    # sibling is made by os.mkdir, which keeps the umask's permissions
-    # (tempfile.mkdtemp's 0700 would hide the export from a server that
-    # runs as another user).
-    staging = str(target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}")
-    os.mkdir(staging)
+    def place():
+        return edge("the export folder", target, "give a folder this user "
+                    "can create and write (a new --logdir)")
+
+    with place():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built in a hidden sibling, then moved into place by _replace.
+        # The sibling is made by os.mkdir, which keeps the umask's
+        # permissions (tempfile.mkdtemp's 0700 would hide the export from
+        # a server that runs as another user).
+        staging = str(target.parent /
+                      f".{target.name}.tmp-{uuid.uuid4().hex}")
+        os.mkdir(staging)
     try:
         _build_and_save(staging, model, hidden_units, values)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace(target, staging)
+    with place():
+        _replace(target, staging)
     logging.info("exported the %s model to %s", model, target)
     return str(target)
 
