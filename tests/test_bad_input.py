@@ -1,8 +1,9 @@
 """Bad input through the real command line: one line, non-zero, no trace.
 
 Each case runs `python -m trainer.main` (a chief, or the task the input
-concerns) and checks: the exit status, exactly one error line that names
-the problem, no traceback, the process gone, and no checkpoint changed.
+concerns) or another command and checks: the exit status (2 for every
+input error, flags included), exactly one error line that names the
+problem, no traceback, the process gone, and no checkpoint changed.
 """
 
 import functools
@@ -31,13 +32,13 @@ def main(*args, env=None, timeout=120):
                        env=env)
 
 
-def chief(tmp_path, *args, data_dir=None, env=None):
+def chief(tmp_path, *args, data_dir=None, env=None, logdir=None):
     """worker 0 of a 1 ps + 2 workers cluster on free ports."""
     ps, w0, w1 = helpers.free_ports(3)
     return main("--job_name=worker", "--task_index=0",
                 f"--ps_hosts=localhost:{ps}",
                 f"--worker_hosts=localhost:{w0},localhost:{w1}",
-                f"--logdir={tmp_path / 'logs'}", "--nodownload",
+                f"--logdir={logdir or tmp_path / 'logs'}", "--nodownload",
                 *([f"--data_dir={data_dir}"] if data_dir else []), *args,
                 env=env)
 
@@ -57,7 +58,7 @@ def assert_one_line_error(result, status: int, *phrases: str):
 
 
 @pytest.mark.parametrize("args, status, phrases", [
-    (["--job_name=chief", "--task_index=0"], 1,
+    (["--job_name=chief", "--task_index=0"], 2,
      ["--job_name=chief", "value should be one of <ps|worker>"]),
     (["--job_name=worker", "--task_index=2"], 2,
      ["task index 2 is out of range for job 'worker', which has 2 task(s)"]),
@@ -74,9 +75,9 @@ def assert_one_line_error(result, status: int, *phrases: str):
      ["--train_steps=0 must be a positive integer"]),
     (["--job_name=worker", "--task_index=0", "--learning_rate=-0.1"], 2,
      ["--learning_rate=-0.1 must be a positive number"]),
-    (["--job_name=worker", "--task_index=0", "--model=resnet"], 1,
+    (["--job_name=worker", "--task_index=0", "--model=resnet"], 2,
      ["--model=resnet", "value should be one of <softmax|mlp|cnn>"]),
-    (["--job_name=worker", "--task_index=0", "--optimizer=lamb"], 1,
+    (["--job_name=worker", "--task_index=0", "--optimizer=lamb"], 2,
      ["--optimizer=lamb", "value should be one of <sgd|momentum|adam>"]),
 ])
 def test_bad_flags(args, status, phrases):
@@ -85,6 +86,63 @@ def test_bad_flags(args, status, phrases):
     given = {a.split("=")[0] for a in args}
     extra = [f"{k}={v}" for k, v in defaults.items() if k not in given]
     assert_one_line_error(main(*args, *extra), status, *phrases)
+
+
+@pytest.mark.parametrize("command, args, phrases", [
+    ("trainer.launch", ["--num_ps=0"],
+     ["--num_ps=0", "0 is not a positive integer", "--helpshort"]),
+    ("trainer.launch", ["--wire_dtype=int8"],
+     ["--wire_dtype=int8", "value should be one of <float32|bfloat16"]),
+    ("trainer.launch", ["--num_workers=2", "stray"],
+     ["unexpected arguments: stray", "--flag=value"]),
+    ("trainer.benchmark", ["--model=resnet"],
+     ["--model=resnet", "value should be one of <softmax|mlp|cnn>"]),
+    ("trainer.benchmark", ["--repeats=0"],
+     ["--repeats=0", "0 is not a positive integer"]),
+    ("trainer.soak", ["--num_workers=0"],
+     ["--num_workers=0", "0 is not a positive integer"]),
+])
+def test_bad_flags_of_every_command(command, args, phrases):
+    """absl's flag errors too end with one line and status 2, in each
+    command (TensorFlow's C++ logs are off: they are not the command's)."""
+    result = helpers.run(["-m", command, *args], timeout=120,
+                         env=helpers.python_env(TF_CPP_MIN_LOG_LEVEL="3"))
+    assert_one_line_error(result, 2, *phrases)
+
+
+@pytest.mark.parametrize("where, phrase", [
+    ("afile", "is a file, not a folder"),
+    ("afile/sub", "a part of its path is a file"),
+    ("/sys/kernel/x", "is refused"),          # EPERM as root, else EACCES
+    ("/proc/1/nope", ""),                     # ENOENT as root, else EACCES
+])
+def test_logdir_that_cannot_be_made(tmp_path, data, where, phrase):
+    """The chief refuses, before its server starts, a --logdir it cannot
+    create or write, in one line that names it and the fix."""
+    (tmp_path / "afile").write_text("a file, not a folder")
+    logdir = where if where.startswith("/") else tmp_path / where
+    result = chief(tmp_path, data_dir=data, logdir=logdir)
+    assert_one_line_error(result, 2, f"--logdir={logdir}", phrase,
+                          "give --logdir a folder this user can create")
+
+
+def test_data_dir_that_cannot_be_made(tmp_path):
+    (tmp_path / "afile").write_text("a file, not a folder")
+    folder = tmp_path / "afile" / "mnist"
+    result = chief(tmp_path, "--download", "--data_url=http://127.0.0.1:9/",
+                   data_dir=folder)
+    assert_one_line_error(result, 2, f"--data_dir={folder}",
+                          "a part of its path is a file",
+                          "give --data_dir a folder")
+
+
+def test_data_file_that_is_a_folder(tmp_path, data):
+    folder = corrupt_copy(data, tmp_path, "t10k-labels-idx1-ubyte.gz", b"")
+    (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+    (folder / "t10k-labels-idx1-ubyte.gz").mkdir()
+    result = chief(tmp_path, data_dir=folder)
+    assert_one_line_error(result, 2, str(folder / "t10k-labels-idx1-ubyte.gz"),
+                          "is a folder, not a file", "--data_dir")
 
 
 def test_port_already_in_use(tmp_path, data):

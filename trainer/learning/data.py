@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 
-from trainer.common.errors import UserError
+from trainer.common.errors import UserError, edge
 
 ENV_DATA_DIR = "MNIST_DATA_DIR"
 DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
@@ -88,11 +88,12 @@ def resolve_data_dir(flag_value: str | None,
 
 
 def _read_gzip(path: pathlib.Path) -> bytes:
+    with edge("data file", path, "make it readable, or point --data_dir or "
+              f"${ENV_DATA_DIR} at a folder with the MNIST .gz files"):
+        raw = open(path, "rb")
     try:
-        with gzip.open(path, "rb") as f:
+        with raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
             return f.read()
-    except FileNotFoundError:
-        raise UserError(f"{path}: file not found") from None
     except gzip.BadGzipFile:
         raise UserError(f"{path}: not a gzip file; replace it with the "
                         "original .gz file") from None
@@ -183,12 +184,12 @@ def download(name: str, data_dir: pathlib.Path, mirrors=MIRRORS,
     """
     checksums = SHA256 if checksums is None else checksums
     target = data_dir / name
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create data folder {data_dir} ({e.strerror}); "
-                        "pass --data_dir with a writable folder") from None
     partial = data_dir / f".{name}.{os.getpid()}.partial"
+    # The folder's own faults are the user's to fix, not a mirror's.
+    with edge("--data_dir", data_dir, "give --data_dir a folder this user "
+              "can create and write, or copy the MNIST .gz files there"):
+        data_dir.mkdir(parents=True, exist_ok=True)
+        partial.touch()
     failures = []
     for mirror in mirrors:
         url = mirror + name

@@ -17,7 +17,7 @@ from trainer.roles import ps
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task, split_address
 from trainer.common.config import TrainConfig, validate
-from trainer.common.errors import UserError
+from trainer.common.errors import edge
 from trainer.roles.worker import Worker
 
 
@@ -29,7 +29,10 @@ def run(config: TrainConfig, task: Task) -> None:
         ps.serve(config, task, start_server(config, task))
         return
     # Check the data and the logdir first: bad input should stop this task
-    # before its server is up.
+    # before its server is up. The chief writes the logdir; every worker
+    # writes its trace there when tracing.
+    if task.is_chief or config.trace_steps:
+        checkpoints.prepare_logdir(config.logdir)
     if task.is_chief:
         checkpoints.check_logdir_fits_model(config)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
@@ -59,11 +62,9 @@ def check_port_free(task: Task) -> None:
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        probe.bind(("", port))
-    except OSError:
-        raise UserError(
-            f"port {port} of {task.describe()} is already in use on this "
-            "machine; stop the process that holds it or give this task "
-            "another port") from None
+        with edge(f"port {port} of {task.describe()}", None,
+                  "stop the process that holds it or give this task "
+                  "another port"):
+            probe.bind(("", port))
     finally:
         probe.close()
