@@ -68,12 +68,17 @@ METRICS = {
                             "the last step, 0 to 1."),
     "images_per_sec": ("images/s", "Training images per second of step "
                        "loop time, all workers together."),
-    "efficiency": ("efficiency", "images/s divided by images/s of the best "
-                   "single-process run of the same benchmark."),
+    "efficiency": ("efficiency E(N)", "E(N): images/s divided by images/s "
+                   "of the best single-process run of the same benchmark."),
     "time_to_target_secs": ("s to target accuracy", "Training seconds until "
                             "the test accuracy first reached the target; "
                             "empty if it never did."),
 }
+# With simulated hosts (the host_cpu hparam) "efficiency" holds S(N)/N.
+SIMULATED_HOST_METRICS = {"efficiency": (
+    "S(N)/N (ps), E (single)", "ps runs: scaling efficiency S(N)/N, "
+    "images/s with N worker hosts / images/s with 1, over N (E without a "
+    "1-worker run); single-process runs: E(N) as on local hosts.")}
 METRIC_PREFIX = "hparams/"
 SPEC_FILE = "hparams_experiment.json"
 
@@ -109,8 +114,9 @@ def write_experiment(out_dir: str | os.PathLike,
         [hp.HParam(name, hp.Discrete(values), display_name=HPARAMS[name][1],
                    description=HPARAMS[name][2])
          for name, values in domains.items()],
-        [hp.Metric(metric_tag(name), display_name=METRICS[name][0],
-                   description=METRICS[name][1]) for name in metrics])
+        [hp.Metric(metric_tag(name), display_name=label[0],
+                   description=label[1])
+         for name, label in _metric_labels(metrics, domains)])
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _eagerly(_write_events, out, lambda: hp.hparams_config(*config))
@@ -214,6 +220,12 @@ def _eagerly(function: Callable, *args) -> None:
     thread.join()  # local file writes only: no timeout needed
     if failures:
         raise failures[0]
+
+
+def _metric_labels(metrics: list[str], hparams: Mapping) -> list:
+    """(name, (display name, description)) of each metric, as it holds."""
+    on_hosts = SIMULATED_HOST_METRICS if "host_cpu" in hparams else {}
+    return [(name, {**METRICS, **on_hosts}[name]) for name in metrics]
 
 
 def _domain_values(name: str, values: Iterable) -> list:
