@@ -4,8 +4,9 @@ a misfit.
 Checkpoints store each parameter under its own name and shape
 (`model/conv1/kernel`, its optimizer slots under the slot's name:
 `model/conv1/kernel/m` and `.../v` with Adam, `.../momentum` with
-momentum, none with sgd), not the flat shard vectors, so a run can resume with a different number of
-ps tasks, and a checkpoint of another model is refused by name and shape.
+momentum, none with sgd), not the flat shard vectors, so a run can resume
+with a different number of ps tasks, and a checkpoint of another model is
+refused by name and shape (check_fit, which exports pass too).
 TensorFlow writes a checkpoint under temporary names and only then records
 it in `checkpoint`, so a crash while saving leaves the previous one usable.
 """
