@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from absl import app  # noqa: E402
 from absl import logging  # noqa: E402
 
-from trainer import flags as trainer_flags# noqa: E402
+from trainer import flags as trainer_flags  # noqa: E402
 from trainer.common.config import validate  # noqa: E402
 from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
