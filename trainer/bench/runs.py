@@ -13,6 +13,7 @@ import time
 
 from absl import logging
 
+from trainer.bench import peers
 from trainer.cluster import local as launcher
 from trainer.common import processes
 from trainer.common.config import TrainConfig
@@ -21,6 +22,7 @@ from trainer.observe import progress
 
 # Seconds a run's processes get to exit after SIGTERM before SIGKILL.
 STOP_GRACE_SECS = 10.0
+_LEADER_DONE = "the leader ended"
 # Checkpoints are not what the benchmark measures: only the final one.
 NO_CHECKPOINTS = 1 << 40
 BREAKDOWN_PARTS = ("compute", "pull_params", "push_grads", "wait_others",
@@ -54,12 +56,13 @@ class Run:
     """One configuration's figures."""
 
     name: str
-    kind: str            # ps | single | mwms
+    kind: str            # ps | single | mwms | sro | async
     workers: int
     results: dict        # the chief's results JSON
     peak_rss_mb: dict    # process name -> MiB
     ps_tasks: int = 0
     config_key: str = ""  # runs with the same key repeat one configuration
+    extra: dict = dataclasses.field(default_factory=dict)  # more columns
 
     def row(self, target: float, reference_images_per_sec: float) -> dict:
         reached = [e["train_secs"] for e in self.results["eval_history"]
@@ -80,10 +83,13 @@ class Run:
             "peak_rss_mb": ";".join(f"{k}:{v:.0f}" for k, v in
                                     self.peak_rss_mb.items()),
             **_breakdown_columns(self.results.get("step_breakdown")),
+            **self.extra,
         }
 
 
-def stream(children: list, label: str, timeout: float) -> list[int]:
+def stream(children: list, label: str, timeout: float,
+           after_leader_secs: float | None = None,
+           stopped: list | None = None) -> list[int]:
     """Waits for a run's processes (processes.Child or Popen), logging a
     progress line per log interval of the first (the chief); returns
     their exit statuses.
@@ -91,7 +97,12 @@ def stream(children: list, label: str, timeout: float) -> list[int]:
     A run is over as soon as one of its processes fails: the others would
     wait for it until the timeout, so they are stopped at once
     (processes.supervise). On timeout, and on Ctrl-C or any error here,
-    all are stopped. On failure, logs the end of the chief's output."""
+    all are stopped. On failure, logs the end of the chief's output.
+
+    With after_leader_secs (peers whose servers never return), once the
+    first process has exited 0 the others get that long to end, then are
+    stopped; their names go to `stopped` and their statuses are not
+    failures."""
     children = [c if isinstance(c, processes.Child) else
                 processes.Child(f"process {i}", c)
                 for i, c in enumerate(children)]
@@ -106,7 +117,26 @@ def stream(children: list, label: str, timeout: float) -> list[int]:
             logging.info("%s: step %d/%d, ETA %s", label, figures["step"],
                          figures["train_steps"], figures["eta"])
 
+    leader_done = []  # when the first process was seen to exit 0
+
+    def give_up() -> str | None:
+        now = time.monotonic()
+        if now > deadline:
+            return f"no end after {timeout:.0f} s"
+        if after_leader_secs is None or children[0].poll() != 0:
+            return None
+        leader_done.append(now)
+        if now - leader_done[0] < after_leader_secs:
+            return None
+        stopped.extend(c.name for c in children if c.poll() is None)
+        return _LEADER_DONE
+
     def announce(ending: processes.Ending) -> None:
+        if ending.reason == _LEADER_DONE:
+            logging.info("%s: the leader ended; %s did not end within "
+                         "%.0f s: stopping them", label, ", ".join(stopped),
+                         after_leader_secs)
+            return
         failed = ending.failed
         logging.error("%s: %s; stopping its processes", label,
                       f"process {children.index(failed)} exited with status "
@@ -116,14 +146,14 @@ def stream(children: list, label: str, timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     try:
         processes.supervise(
-            children, STOP_GRACE_SECS,
-            lambda: (f"no end after {timeout:.0f} s"
-                     if time.monotonic() > deadline else None),
-            announce, poll_secs=0.2)
+            children, STOP_GRACE_SECS, give_up, announce, poll_secs=0.2)
     finally:  # nothing left running, whatever ended the wait
         processes.stop_all(children, STOP_GRACE_SECS)
     statuses = [c.poll(block=True) for c in children]
     children[0].join_relay(timeout=10)
+    if stopped:
+        statuses = [0 if c.name in stopped else status
+                    for c, status in zip(children, statuses)]
     if any(statuses):
         logging.error("%s failed (exit statuses %s); its last lines:\n%s",
                       label, statuses, "\n".join(tail))
@@ -192,28 +222,42 @@ def run_single(s: Settings, threads: int, name: str, label: str) -> Run:
     return Run(name, "single", 1, data, {"process": data["peak_rss_mb"]})
 
 
-def run_mwms(s: Settings, workers: int, name: str, label: str) -> Run:
-    """MultiWorkerMirroredStrategy with `workers` local processes."""
+def run_peer(s: Settings, kind: str, workers: int, name: str,
+             label: str) -> Run:
+    """A peer (trainer/bench/peers.py) with `workers` local workers and
+    --num_ps local ps tasks, every process on a free loopback port."""
     out = s.out
     config = write_config(
         s, name, intra_op_threads=max(1, (os.cpu_count() or 1) // workers))
-    hosts = ",".join(f"localhost:{p}"
-                     for p in launcher.free_ports("localhost", workers))
-    outputs = [out / f"{name}.worker{i}.json" for i in range(workers)]
+    counts = {"worker": workers, "ps": s.num_ps if kind != "mwms" else 0,
+              "chief": 1 if kind == "async" else 0}
+    addresses = {job: [f"localhost:{p}" for p in
+                       launcher.free_ports("localhost", n)] if n else []
+                 for job, n in counts.items()}
+    peer_tasks = peers.tasks(kind, config, out, name, addresses)
     children = []
     try:
-        for i in range(workers):
+        for i, task in enumerate(peer_tasks):
             children.append(popen(
-                f"worker{i}", ["-m", "trainer.bench.baselines", "mwms",
-                               str(config), str(outputs[i]), str(i), hosts],
-                None if i == 0 else out / f"{name}.worker{i}.log"))
+                task.name, task.argv,
+                None if i == 0 else out / f"{name}.{task.name}.log"))
     except BaseException:  # Ctrl-C or a failed start: stop those started
         processes.stop_all(children, STOP_GRACE_SECS)
         raise
-    statuses = stream(children, label, s.timeout)
+    return finish_peer(kind, workers, name, label, peer_tasks, children,
+                       s.timeout, s.num_ps)
+
+
+def finish_peer(kind: str, workers: int, name: str, label: str,
+                peer_tasks: list, children: list, timeout: float,
+                num_ps: int) -> Run:
+    """Streams a started peer run to its end; its figures as a Run."""
+    stopped = []
+    statuses = stream(children, label, timeout,
+                      peers.AFTER_LEADER_SECS if kind != "mwms" else None,
+                      stopped)
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}")
-    per_worker = [json.loads(p.read_text()) for p in outputs]
-    return Run(name, "mwms", workers, per_worker[0],
-               {f"worker{i}": r["peak_rss_mb"]
-                for i, r in enumerate(per_worker)})
+    leader, peak, extra = peers.figures(kind, peer_tasks, stopped)
+    return Run(name, kind, workers, leader, peak,
+               num_ps if kind != "mwms" else 0, extra=extra)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.bench import peers
 from trainer.bench import runs as runs_lib
 from trainer.common import processes
 from trainer.common.errors import RunFailed
@@ -94,3 +95,39 @@ def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
     data = json.loads(results.read_text())
     return runs_lib.Run(name, "single", 1, data,
                         {"process": data["peak_rss_mb"]})
+
+
+def run_peer_on_hosts(s: runs_lib.Settings, kind: str, workers: int,
+                      name: str, label: str) -> runs_lib.Run:
+    """A peer (trainer/bench/peers.py) placed as the ps runs are: one host
+    per worker (--host_cpu), per ps task (--ps_cpu) and, for async, one
+    for the coordinator (--host_cpu)."""
+    sim: HostSettings = s.sim
+    config = runs_lib.write_config(s, name, intra_op_threads=1,
+                                   inter_op_threads=1)
+    num_ps = s.num_ps if kind != "mwms" else 0
+    with hosts_lib.SimulatedHosts() as net:
+        placed = {"worker": [net.add_host(f"w{k}", sim.host_cpu,
+                                          sim.link_rate)
+                             for k in range(workers)],
+                  "ps": [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
+                         for i in range(num_ps)],
+                  "chief": ([net.add_host("coord", sim.host_cpu,
+                                          sim.link_rate)]
+                            if kind == "async" else [])}
+        addresses = {job: [f"{h.address}:{PORT}" for h in hosts]
+                     for job, hosts in placed.items()}
+        peer_tasks = peers.tasks(kind, config, s.out, name, addresses)
+        with contextlib.ExitStack() as logs:
+            children = []
+            for i, task in enumerate(peer_tasks):
+                out = (subprocess.PIPE if i == 0 else logs.enter_context(
+                    open(s.out / f"{name}.{task.name}.log", "w")))
+                host = placed[task.job][task.index]
+                children.append(processes.Child(task.name, host.popen(
+                    [sys.executable, *task.argv],
+                    env=processes.child_env(), cwd=str(REPO), stdout=out,
+                    stderr=subprocess.STDOUT, text=True)))
+            return runs_lib.finish_peer(kind, workers, name, label,
+                                        peer_tasks, children, s.timeout,
+                                        num_ps)
