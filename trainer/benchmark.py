@@ -21,9 +21,9 @@ run. Traced runs (--trace_steps) add the step breakdown's columns.
 """
 
 import datetime
+import functools
 import math
 import pathlib
-import statistics
 import time
 
 from absl import app
@@ -32,10 +32,10 @@ from absl import logging
 
 from trainer import flags as trainer_flags
 from trainer.bench.simhosts import hosts as hosts_lib
-from trainer.bench import dashboard
 from trainer.bench import report
+from trainer.bench import peers
+from trainer.bench import rows as rows_lib
 from trainer.bench import runs as runs_lib
-from trainer.bench.simhosts import bound as bound_lib
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
@@ -43,8 +43,10 @@ from trainer.common.errors import RunFailed, UserError
 flags.DEFINE_list("workers", ["1", "2", "4"],
                   "Worker counts to run the ps cluster (and MWMS) with.")
 flags.DEFINE_list("baselines", ["single", "mwms"],
-                  "Baselines to run: single (one process, no servers) and "
-                  "mwms (MultiWorkerMirroredStrategy); empty for none.")
+                  "Peers to run beside the ps trainer: single (one process, "
+                  "no servers), mwms (MultiWorkerMirroredStrategy, ring "
+                  "all-reduce), sro (the SyncReplicasOptimizer recipe), "
+                  "async (ParameterServerStrategy); empty for none.")
 flags.DEFINE_list("single_threads", ["1", "2"],
                   "Intra-op thread counts for the single-process baseline; "
                   "the best is the reference for efficiency.")
@@ -65,11 +67,20 @@ flags.DEFINE_float("ps_cpu", None, "With --hosts=simulated: cores of each "
                    "ps host (default: --host_cpu).")
 flags.DEFINE_string("link_rate", "1gbit", "With --hosts=simulated: each "
                     "host's link rate, tc syntax (100mbit, 1gbit).")
+flags.DEFINE_enum("ps_placement", "separate", ["separate", "colocated"],
+                  "With --hosts=simulated: separate gives each ps task a "
+                  "host of its own; colocated puts ps task k on worker k's "
+                  "host (--num_ps up to the smallest worker count).")
+flags.DEFINE_bool("straggler", False, "With --hosts=simulated: once "
+                  "training runs, cut the last worker's host to a tenth of "
+                  "its CPU budget (runs of 2 or more workers).")
 
 FLAGS = flags.FLAGS
 _LABELS = {"ps": "ps cluster, {} worker(s)",
            "single": "single process, {} thread(s)",
-           "mwms": "MWMS, {} worker(s)"}
+           "mwms": "MWMS, {} worker(s)",
+           "sro": "SyncReplicasOptimizer recipe, {} worker(s)",
+           "async": "ParameterServerStrategy (async), {} worker(s)"}
 
 
 def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
@@ -86,48 +97,58 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
                         "comma-separated list of worker counts") from None
     if not worker_counts or min(worker_counts) < 1:
         raise UserError("--workers needs worker counts of 1 or more")
-    unknown = set(FLAGS.baselines) - {"single", "mwms"}
+    unknown = set(FLAGS.baselines) - {"single", *peers.PEER_KINDS}
     if unknown:
         raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
-                        " use single, mwms or both")
+                        " use single, mwms, sro or async (any of them)")
     validate(trainer_flags.config_from_flags(), max(worker_counts))
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out={out} already holds a benchmark; give a "
                         "new folder (or leave --out out for a fresh one)")
     if FLAGS.hosts == "local":
+        if FLAGS.ps_placement != "separate" or FLAGS.straggler:
+            raise UserError("--ps_placement and --straggler need "
+                            "--hosts=simulated")
         return worker_counts, None
-    if "mwms" in FLAGS.baselines:
-        raise UserError("--hosts=simulated runs the ps clusters and the "
-                        "single baseline; add --baselines=single (or none)")
+    if (FLAGS.ps_placement == "colocated"
+            and FLAGS.num_ps > min(worker_counts)):
+        raise UserError(f"--ps_placement=colocated puts ps task k beside "
+                        f"worker k: --num_ps={FLAGS.num_ps} needs at least "
+                        f"that many workers in every run of --workers")
     hosts_lib.parse_rate(FLAGS.link_rate)
     hosts_lib.check_available()
     return worker_counts, simulated.HostSettings(
-        FLAGS.host_cpu, FLAGS.ps_cpu or FLAGS.host_cpu, FLAGS.link_rate)
+        FLAGS.host_cpu, FLAGS.ps_cpu or FLAGS.host_cpu, FLAGS.link_rate,
+        FLAGS.ps_placement, FLAGS.straggler)
 
 
 def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
     plan = [("ps", n) for n in worker_counts]
     if "single" in FLAGS.baselines:
         plan += [("single", int(t)) for t in FLAGS.single_threads]
-    if "mwms" in FLAGS.baselines:
-        plan += [("mwms", n) for n in worker_counts]
+    for kind in peers.PEER_KINDS:
+        if kind in FLAGS.baselines:
+            plan += [(kind, n) for n in worker_counts]
     return plan
 
 
 def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
     """Every configuration --repeats times; returns runs by configuration."""
     total = len(plan) * FLAGS.repeats
-    local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single,
-             "mwms": runs_lib.run_mwms}
+    local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single}
     on_hosts = {"ps": simulated.run_ps_on_hosts,
                 "single": simulated.run_single_on_host}
+    for kind in peers.PEER_KINDS:  # (s, count, name, label) -> Run
+        local[kind] = functools.partial(runs_lib.run_peer, kind=kind)
+        on_hosts[kind] = functools.partial(simulated.run_peer_on_hosts,
+                                           kind=kind)
     grouped, done, start = [], 0, time.monotonic()
     for kind, count in plan:
         group = []
         for repeat in range(FLAGS.repeats):
             done += 1
-            name = {"ps": f"ps_{count}w", "single": f"single_{count}t",
-                    "mwms": f"mwms_{count}w"}[kind]
+            name = (f"single_{count}t" if kind == "single"
+                    else f"{kind}_{count}w")
             name += f"_r{repeat + 1}" if FLAGS.repeats > 1 else ""
             label = f"[{done}/{total}] " + _LABELS[kind].format(count)
             logging.info("%s: starting", label)
@@ -139,80 +160,6 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
                              elapsed / done * (total - done))))
         grouped.append(group)
     return grouped
-
-
-def median_run(group: list[runs_lib.Run]) -> runs_lib.Run:
-    """The run with the median images/s (the lower middle of an even
-    count), so that every column of a row comes from one run."""
-    ordered = sorted(group, key=lambda r: r.results["images_per_sec"])
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def make_rows(s: runs_lib.Settings, grouped: list) -> tuple[list, float]:
-    """One row per configuration; returns rows and the E reference."""
-    medians = [median_run(g) for g in grouped]
-    singles = [r for r in medians if r.kind == "single"]
-    reference = (max(r.results["images_per_sec"] for r in singles)
-                 if singles else medians[0].results["images_per_sec"])
-    rows = []
-    for run, group in zip(medians, grouped):
-        row = run.row(FLAGS.target_accuracy, reference)
-        if len(group) > 1:
-            row["images_per_sec_repeats"] = ";".join(
-                f"{r.results['images_per_sec']:.0f}" for r in group)
-        rows.append(row)
-    if s.sim:
-        _add_host_columns(s, medians, rows)
-    return rows, reference
-
-
-def _add_host_columns(s: runs_lib.Settings, medians: list,
-                      rows: list) -> None:
-    """Speedup, scaling efficiency and the ps-link bound (bound.py)."""
-    # S(N) needs the 1-worker run of the same benchmark.
-    one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
-               None)
-    for run, row in zip(medians, rows):
-        row.update(host_cpu=s.sim.host_cpu, ps_cpu=s.sim.ps_cpu,
-                   link_rate=s.sim.link_rate)
-        if run.kind != "ps":
-            continue
-        if one:
-            speedup = (run.results["images_per_sec"]
-                       / one.results["images_per_sec"])
-            row.update(speedup=speedup,
-                       scaling_efficiency=speedup / run.workers)
-        bound = bound_lib.ps_link_bound_ms(s.config, s.num_ps, run.workers,
-                                           s.sim.link_rate_bps)
-        row.update(
-            ps_link_bytes_per_step=bound_lib.busiest_ps_link_bytes(
-                s.config, s.num_ps, run.workers),
-            ps_link_bound_ms=bound,
-            step_over_bound=run.results["mean_step_time_ms"] / bound)
-
-
-def write_dashboard(out: pathlib.Path, s: runs_lib.Settings, plan: list,
-                    medians: list, rows: list) -> None:
-    """TensorBoard HParams: one session per configuration (its median)."""
-    domains = {"kind": sorted({k for k, _ in plan}),
-               "workers": sorted({r.workers for r in medians}),
-               "ps_tasks": sorted({r.ps_tasks for r in medians}),
-               "model": [s.config.model], "batch": [s.config.batch_size]}
-    if s.sim:
-        domains.update(host_cpu=[s.sim.host_cpu], link_rate=[s.sim.link_rate])
-    dashboard.write_experiment(out, domains)
-    for run, row in zip(medians, rows):
-        hparams = {"kind": run.kind, "workers": run.workers,
-                   "ps_tasks": run.ps_tasks, "model": s.config.model,
-                   "batch": s.config.batch_size}
-        if s.sim:
-            hparams.update(host_cpu=s.sim.host_cpu,
-                           link_rate=s.sim.link_rate)
-        dashboard.write_run(out, run.name, hparams, {
-            "final_test_accuracy": row["test_accuracy"],
-            "images_per_sec": row["images_per_sec"],
-            "efficiency": row.get("scaling_efficiency", row["efficiency"]),
-            "time_to_target_secs": row["time_to_target_secs"]})
 
 
 def main(argv) -> int:
@@ -240,8 +187,9 @@ def main(argv) -> int:
     except RunFailed as e:
         logging.error("%s", e)
         return 1
-    rows, reference = make_rows(s, grouped)
-    write_dashboard(out, s, plan, [median_run(g) for g in grouped], rows)
+    rows, reference = rows_lib.make_rows(s, grouped, FLAGS.target_accuracy)
+    rows_lib.write_dashboard(out, s, plan,
+                             [rows_lib.median_run(g) for g in grouped], rows)
     report.emit(report.write_outputs(out, rows, FLAGS.target_accuracy))
     report.emit(_footer(rows, reference, out))
     return 0 if all(math.isfinite(r["images_per_sec"]) for r in rows) else 1

@@ -43,13 +43,15 @@ from tensorboard.plugins.hparams import api as hp
 
 from trainer.common.errors import UserError
 
-KINDS = ("ps", "single", "mwms")
+KINDS = ("ps", "single", "mwms", "sro", "async")
 
 # name -> (type, display name, description). Values of int hparams are
 # shown as floats by TensorBoard (it has no int type).
 HPARAMS = {
-    "kind": (str, "kind", "ps: parameter-server cluster; single: one "
-             "process, no servers; mwms: MultiWorkerMirroredStrategy."),
+    "kind": (str, "kind", "ps: this trainer; single: one process, no "
+             "servers; mwms: MultiWorkerMirroredStrategy; sro: the "
+             "SyncReplicasOptimizer recipe; async: ParameterServerStrategy "
+             "(asynchronous)."),
     "workers": (int, "workers", "Worker processes (1 for single)."),
     "ps_tasks": (int, "ps tasks", "Parameter-server tasks (0 for single "
                  "and mwms)."),

@@ -12,9 +12,11 @@ COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb_max",
            "peak_rss_mb")
 # Columns only some benchmarks have: repeats, simulated hosts, traces.
-EXTRA_COLUMNS = ("images_per_sec_repeats", "host_cpu", "ps_cpu", "link_rate",
-                 "speedup", "scaling_efficiency", "ps_link_bytes_per_step",
-                 "ps_link_bound_ms", "step_over_bound", "traced_step_ms",
+EXTRA_COLUMNS = ("images_per_sec_repeats", "x_mwms", "host_cpu", "ps_cpu",
+                 "link_rate", "ps_placement", "speedup",
+                 "scaling_efficiency", "ps_link_bytes_per_step",
+                 "ps_link_bound_ms", "ring_bound_ms", "step_over_bound",
+                 "pushed_gradients", "ended_by_itself", "traced_step_ms",
                  "step_compute_ms", "step_pull_params_ms",
                  "step_push_grads_ms", "step_wait_others_ms",
                  "step_aggregate_apply_ms", "step_other_ms")
@@ -69,15 +71,19 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         ("train s", "train_time_secs", _cell),
         ("images/s", "images_per_sec", _cell),
         ("repeats images/s", "images_per_sec_repeats", _cell),
-        ("E", "efficiency", _ratio), ("S(N)", "speedup", _ratio),
+        ("E", "efficiency", _ratio), ("x mwms", "x_mwms", _ratio),
+        ("S(N)", "speedup", _ratio),
         ("S(N)/N", "scaling_efficiency", _ratio),
         ("step ms", "mean_step_time_ms", _cell),
         ("ps link MB/step", "ps_link_bytes_per_step",
          lambda v: "" if v is None else f"{v / 1e6:.3g}"),
         ("bound ms", "ps_link_bound_ms", _cell),
+        ("ring bound ms", "ring_bound_ms", _cell),
         ("step/bound", "step_over_bound", _ratio),
         (f"s to {100 * target_accuracy:g}%", "time_to_target_secs", _cell),
         ("peak RSS MB", "peak_rss_mb", _cell),
+        ("gradients pushed", "pushed_gradients", _cell),
+        ("ended by itself", "ended_by_itself", _cell),
         ("traced step ms", "traced_step_ms", _cell),
         ("compute", "step_compute_ms", _cell),
         ("pull", "step_pull_params_ms", _cell),
@@ -112,7 +118,9 @@ def _plot(path: pathlib.Path, rows: list[dict]) -> None:
         return
     figure, (accuracy_axes, speed_axes) = pyplot.subplots(1, 2,
                                                           figsize=(11, 4))
-    for kind, label in (("ps", "parameter server"), ("mwms", "MWMS")):
+    for kind, label in (("ps", "this trainer (ps)"), ("mwms", "MWMS"),
+                        ("sro", "SyncReplicasOptimizer recipe"),
+                        ("async", "async (ParameterServerStrategy)")):
         kind_rows = sorted((r for r in rows if r["kind"] == kind),
                            key=lambda r: r["workers"])
         if kind_rows:

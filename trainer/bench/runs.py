@@ -89,7 +89,7 @@ class Run:
 
 def stream(children: list, label: str, timeout: float,
            after_leader_secs: float | None = None,
-           stopped: list | None = None) -> list[int]:
+           stopped: list | None = None, watch=None) -> list[int]:
     """Waits for a run's processes (processes.Child or Popen), logging a
     progress line per log interval of the first (the chief); returns
     their exit statuses.
@@ -102,7 +102,7 @@ def stream(children: list, label: str, timeout: float,
     With after_leader_secs (peers whose servers never return), once the
     first process has exited 0 the others get that long to end, then are
     stopped; their names go to `stopped` and their statuses are not
-    failures."""
+    failures. watch(line), if given, sees every line of the first."""
     children = [c if isinstance(c, processes.Child) else
                 processes.Child(f"process {i}", c)
                 for i, c in enumerate(children)]
@@ -112,6 +112,8 @@ def stream(children: list, label: str, timeout: float,
         line = line.decode(errors="replace") if isinstance(
             line, bytes) else line
         tail.append(line.rstrip())
+        if watch is not None:
+            watch(line)
         figures = progress.parse_progress_line(line)
         if figures:
             logging.info("%s: step %d/%d, ETA %s", label, figures["step"],
@@ -222,8 +224,8 @@ def run_single(s: Settings, threads: int, name: str, label: str) -> Run:
     return Run(name, "single", 1, data, {"process": data["peak_rss_mb"]})
 
 
-def run_peer(s: Settings, kind: str, workers: int, name: str,
-             label: str) -> Run:
+def run_peer(s: Settings, workers: int, name: str, label: str,
+             kind: str) -> Run:
     """A peer (trainer/bench/peers.py) with `workers` local workers and
     --num_ps local ps tasks, every process on a free loopback port."""
     out = s.out
@@ -250,12 +252,12 @@ def run_peer(s: Settings, kind: str, workers: int, name: str,
 
 def finish_peer(kind: str, workers: int, name: str, label: str,
                 peer_tasks: list, children: list, timeout: float,
-                num_ps: int) -> Run:
+                num_ps: int, watch=None) -> Run:
     """Streams a started peer run to its end; its figures as a Run."""
     stopped = []
     statuses = stream(children, label, timeout,
                       peers.AFTER_LEADER_SECS if kind != "mwms" else None,
-                      stopped)
+                      stopped, watch)
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}")
     leader, peak, extra = peers.figures(kind, peer_tasks, stopped)

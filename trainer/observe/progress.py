@@ -104,6 +104,9 @@ def steps_to_boundary(config: TrainConfig, step: int, train_steps: int) -> int:
     return min(ends) - step
 
 
+# What drive logs once the first (warm-up) step is done: training runs.
+FIRST_STEP_DONE = "first step done"
+
 def drive(run_steps: Callable, evaluate: Callable | None,
           save: Callable | None, config: TrainConfig, step: int,
           train_steps: int, writer) -> Outcome:
@@ -129,7 +132,7 @@ def drive(run_steps: Callable, evaluate: Callable | None,
         step += count
         outcome.dropped = int(out.get("dropped", 0))
         if warm_up:
-            logging.info("first step done in %.1f s (waiting for the "
+            logging.info(FIRST_STEP_DONE + " in %.1f s (waiting for the "
                          "workers, warming up)", time.monotonic() - run_start)
             warm_up = False
             interval = _Interval(time.monotonic())

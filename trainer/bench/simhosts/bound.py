@@ -20,6 +20,19 @@ which is (N + 1) x S x W x 8 / R with one ps task. (tbf lets a link that
 was idle send a burst of 10 ms of data at line speed, so a step can come
 in a little under it.)
 
+With `--ps_placement=colocated`, ps task k shares worker k's host and
+link, and no ps has a host of its own. Host k's link then carries, each
+way and per step, its shard to (or its gradient from) the N - 1 other
+workers plus its own worker's reads (or writes) of the other shards:
+(N - 1) x S_k + (P - S_k) values. A host without a ps task carries P each
+way. So no step can take less than
+
+    bound = max over hosts of that count x W x 8 / R  seconds,
+
+which with K = N equal shards is 2 (N - 1) / N x P x W x 8 / R: exactly
+what a ring all-reduce moves over each worker's link (`ring_bound_ms`,
+with float32), in two phases (pull, push) where the ring needs 2 (N - 1).
+
 Why it matters: measured steps also pay the compute, the latency of a few
 round trips and gRPC's framing, so measured / bound says how close to the
 link's limit a configuration runs. Reaching the bound takes one pull at a
@@ -45,17 +58,39 @@ def _shard_sizes(config, num_ps: int) -> list[int]:
         replica_lib.model_specs(config), num_ps)).sizes
 
 
-def busiest_ps_link_bytes(config, num_ps: int, workers: int) -> int:
-    """N x S x W: bytes the busiest ps link carries each way per step."""
-    return (workers * max(_shard_sizes(config, num_ps))
-            * wire_bytes_per_float(config))
+def _colocated_values(sizes: list[int], workers: int) -> int:
+    """Values the busiest colocated host's link carries each way."""
+    total = sum(sizes)
+    counts = [(workers - 1) * s + (total - s) for s in sizes]
+    if len(sizes) < workers:  # a host with a worker and no ps task
+        counts.append(total)
+    return max(counts)
 
 
-def ps_link_bound_ms(config, num_ps: int, workers: int,
-                     rate_bps: int) -> float:
-    """(N x S + P) x W x 8 / R, in ms: the least step time the links allow
-    (see the module's docstring)."""
+def busiest_ps_link_bytes(config, num_ps: int, workers: int,
+                          placement: str = "separate") -> int:
+    """Bytes the busiest ps link carries each way per step: N x S x W
+    (separate), or the colocated count of the docstring x W."""
     sizes = _shard_sizes(config, num_ps)
-    in_turn = (workers * max(sizes) + sum(sizes)) * wire_bytes_per_float(
-        config)
-    return 1000.0 * in_turn * 8 / rate_bps
+    values = (workers * max(sizes) if placement == "separate"
+              else _colocated_values(sizes, workers))
+    return values * wire_bytes_per_float(config)
+
+
+def ps_link_bound_ms(config, num_ps: int, workers: int, rate_bps: int,
+                     placement: str = "separate") -> float:
+    """The least step time the links allow, in ms (module docstring):
+    (N x S + P) x W x 8 / R with ps tasks on hosts of their own."""
+    sizes = _shard_sizes(config, num_ps)
+    if placement == "separate":
+        values = workers * max(sizes) + sum(sizes)
+    else:
+        values = _colocated_values(sizes, workers)
+    return 1000.0 * values * wire_bytes_per_float(config) * 8 / rate_bps
+
+
+def ring_bound_ms(config, workers: int, rate_bps: int) -> float:
+    """2 (N - 1) / N x P x 4 x 8 / R in ms: what a ring all-reduce of the
+    float32 gradient moves over each worker's link, each way."""
+    total = sum(_shard_sizes(config, 1))
+    return 1000.0 * 2 * (workers - 1) / workers * total * 4 * 8 / rate_bps

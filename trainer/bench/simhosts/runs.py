@@ -12,11 +12,14 @@ import pathlib
 import subprocess
 import sys
 
+from absl import logging
+
 from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.bench import peers
 from trainer.bench import runs as runs_lib
 from trainer.common import processes
 from trainer.common.errors import RunFailed
+from trainer.observe import progress
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PORT = 2222  # every host has its own network namespace, so one port fits
@@ -27,28 +30,66 @@ class HostSettings:
     host_cpu: float        # cores of each worker host (and the single run)
     ps_cpu: float          # cores of each ps host
     link_rate: str         # tc syntax, e.g. "1gbit"
+    ps_placement: str = "separate"  # or colocated: ps k on worker k's host
+    straggler: bool = False  # the last worker's host drops to a tenth
 
     @property
     def link_rate_bps(self) -> int:
         return hosts_lib.parse_rate(self.link_rate)
 
 
+class Straggler:
+    """watch(line) for runs_lib.stream: once the leader's first step is
+    done (training runs), cuts `host` to a tenth of its CPU budget."""
+
+    def __init__(self, host, cores: float):
+        self.host, self.cores, self.done = host, cores, False
+
+    def __call__(self, line: str) -> None:
+        if not self.done and progress.FIRST_STEP_DONE in line:
+            self.host.set_cpu(self.cores / 10)
+            self.done = True
+            logging.info("straggler: host %s cut to %.3f cores",
+                         self.host.name, self.cores / 10)
+
+
+def _straggler(sim: HostSettings, worker_hosts: list):
+    """The watch that makes the last worker a straggler, or None."""
+    if not sim.straggler or len(worker_hosts) < 2:
+        return None
+    return Straggler(worker_hosts[-1], sim.host_cpu)
+
+
+def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
+    """Hosts and addresses of a ps run: (ps hosts, worker hosts, ps
+    addresses, worker addresses). Colocated: ps k on worker k's host, on
+    the next port."""
+    wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
+          for k in range(workers)]
+    if sim.ps_placement == "colocated":
+        ps, ps_port = wk[:num_ps], PORT + 1
+    else:
+        ps = [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
+              for i in range(num_ps)]
+        ps_port = PORT
+    return (ps, wk, [f"{h.address}:{ps_port}" for h in ps],
+            [f"{h.address}:{PORT}" for h in wk])
+
+
 def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                     label: str) -> runs_lib.Run:
-    """1 host per ps task and per worker; tasks via run_ps.sh and
-    run_worker.sh. The chief's output drives the progress lines."""
+    """1 host per ps task and per worker (or, colocated, ps k beside worker
+    k); tasks via run_ps.sh and run_worker.sh. The chief's output drives
+    the progress lines."""
     sim: HostSettings = s.sim
     logdir = s.out / name
     threads = ["--intra_op_threads=1", "--inter_op_threads=1"]
     with hosts_lib.SimulatedHosts() as net:
-        ps = [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
-              for i in range(s.num_ps)]
-        wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
-              for k in range(workers)]
-        env = processes.child_env(
-            PS_HOSTS=",".join(f"{h.address}:{PORT}" for h in ps),
-            WORKER_HOSTS=",".join(f"{h.address}:{PORT}" for h in wk),
-            PYTHON=sys.executable)
+        ps, wk, ps_addresses, worker_addresses = _place_ps_run(
+            net, sim, s.num_ps, workers)
+        env = processes.child_env(PS_HOSTS=",".join(ps_addresses),
+                                  WORKER_HOSTS=",".join(worker_addresses),
+                                  PYTHON=sys.executable)
         flags = [*s.train_flags, *threads, f"--logdir={logdir}"]
         with contextlib.ExitStack() as logs:
 
@@ -68,7 +109,8 @@ def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                       for i, h in enumerate(ps)]
             others += [start(h, "run_worker.sh", k, f"worker{k}")
                        for k, h in enumerate(wk) if k > 0]
-            statuses = runs_lib.stream([chief, *others], label, s.timeout)
+            statuses = runs_lib.stream([chief, *others], label, s.timeout,
+                                       watch=_straggler(sim, wk))
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}; logs in "
                         f"{s.out}/{name}.*.log")
@@ -97,8 +139,8 @@ def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
                         {"process": data["peak_rss_mb"]})
 
 
-def run_peer_on_hosts(s: runs_lib.Settings, kind: str, workers: int,
-                      name: str, label: str) -> runs_lib.Run:
+def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
+                      label: str, kind: str) -> runs_lib.Run:
     """A peer (trainer/bench/peers.py) placed as the ps runs are: one host
     per worker (--host_cpu), per ps task (--ps_cpu) and, for async, one
     for the coordinator (--host_cpu)."""
@@ -128,6 +170,6 @@ def run_peer_on_hosts(s: runs_lib.Settings, kind: str, workers: int,
                     [sys.executable, *task.argv],
                     env=processes.child_env(), cwd=str(REPO), stdout=out,
                     stderr=subprocess.STDOUT, text=True)))
-            return runs_lib.finish_peer(kind, workers, name, label,
-                                        peer_tasks, children, s.timeout,
-                                        num_ps)
+            return runs_lib.finish_peer(
+                kind, workers, name, label, peer_tasks, children, s.timeout,
+                num_ps, _straggler(sim, placed["worker"]))

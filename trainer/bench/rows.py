@@ -1,0 +1,98 @@
+"""The benchmark's rows: one per configuration, from its median run, with
+the columns that compare runs (E(N), S(N), x mwms, the link bounds)."""
+
+from trainer.bench import dashboard
+from trainer.bench import runs as runs_lib
+from trainer.bench.simhosts import bound as bound_lib
+
+
+def median_run(group: list[runs_lib.Run]) -> runs_lib.Run:
+    """The run with the median images/s (the lower middle of an even
+    count), so that every column of a row comes from one run."""
+    ordered = sorted(group, key=lambda r: r.results["images_per_sec"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def make_rows(s: runs_lib.Settings, grouped: list, target: float
+              ) -> tuple[list, float]:
+    """One row per configuration; returns rows and the E reference (the
+    best single process, else the first run)."""
+    medians = [median_run(g) for g in grouped]
+    singles = [r for r in medians if r.kind == "single"]
+    reference = (max(r.results["images_per_sec"] for r in singles)
+                 if singles else medians[0].results["images_per_sec"])
+    rows = []
+    for run, group in zip(medians, grouped):
+        row = run.row(target, reference)
+        if len(group) > 1:
+            row["images_per_sec_repeats"] = ";".join(
+                f"{r.results['images_per_sec']:.0f}" for r in group)
+        rows.append(row)
+    _add_x_mwms(medians, rows)
+    if s.sim:
+        _add_host_columns(s, medians, rows)
+    return rows, reference
+
+
+def _add_x_mwms(medians: list, rows: list) -> None:
+    """x_mwms: images/s over the MultiWorkerMirroredStrategy run with the
+    same worker count in this benchmark (none without one)."""
+    mwms = {r.workers: r.results["images_per_sec"] for r in medians
+            if r.kind == "mwms"}
+    for run, row in zip(medians, rows):
+        if run.workers in mwms and run.kind != "single":
+            row["x_mwms"] = run.results["images_per_sec"] / mwms[run.workers]
+
+
+def _add_host_columns(s: runs_lib.Settings, medians: list,
+                      rows: list) -> None:
+    """Speedup, scaling efficiency and the link bounds (bound.py)."""
+    # S(N) needs the 1-worker run of the same benchmark.
+    one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
+               None)
+    for run, row in zip(medians, rows):
+        row.update(host_cpu=s.sim.host_cpu, ps_cpu=s.sim.ps_cpu,
+                   link_rate=s.sim.link_rate)
+        if run.kind == "mwms":
+            row["ring_bound_ms"] = bound_lib.ring_bound_ms(
+                s.config, run.workers, s.sim.link_rate_bps)
+        if run.kind != "ps":
+            continue
+        row["ps_placement"] = s.sim.ps_placement
+        if one:
+            speedup = (run.results["images_per_sec"]
+                       / one.results["images_per_sec"])
+            row.update(speedup=speedup,
+                       scaling_efficiency=speedup / run.workers)
+        bound = bound_lib.ps_link_bound_ms(
+            s.config, s.num_ps, run.workers, s.sim.link_rate_bps,
+            s.sim.ps_placement)
+        row.update(
+            ps_link_bytes_per_step=bound_lib.busiest_ps_link_bytes(
+                s.config, s.num_ps, run.workers, s.sim.ps_placement),
+            ps_link_bound_ms=bound,
+            step_over_bound=run.results["mean_step_time_ms"] / bound)
+
+
+def write_dashboard(out, s: runs_lib.Settings, plan: list, medians: list,
+                    rows: list) -> None:
+    """TensorBoard HParams: one session per configuration (its median)."""
+    domains = {"kind": sorted({k for k, _ in plan}),
+               "workers": sorted({r.workers for r in medians}),
+               "ps_tasks": sorted({r.ps_tasks for r in medians}),
+               "model": [s.config.model], "batch": [s.config.batch_size]}
+    if s.sim:
+        domains.update(host_cpu=[s.sim.host_cpu], link_rate=[s.sim.link_rate])
+    dashboard.write_experiment(out, domains)
+    for run, row in zip(medians, rows):
+        hparams = {"kind": run.kind, "workers": run.workers,
+                   "ps_tasks": run.ps_tasks, "model": s.config.model,
+                   "batch": s.config.batch_size}
+        if s.sim:
+            hparams.update(host_cpu=s.sim.host_cpu,
+                           link_rate=s.sim.link_rate)
+        dashboard.write_run(out, run.name, hparams, {
+            "final_test_accuracy": row["test_accuracy"],
+            "images_per_sec": row["images_per_sec"],
+            "efficiency": row.get("scaling_efficiency", row["efficiency"]),
+            "time_to_target_secs": row["time_to_target_secs"]})
