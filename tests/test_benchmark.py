@@ -15,6 +15,7 @@ from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
 from trainer.bench import dashboard, runs
 from trainer.bench.simhosts import bound
+from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import TrainConfig
 
 pytestmark = pytest.mark.cluster
@@ -162,3 +163,39 @@ def test_the_ps_link_bound():
     halves_ms = 1000 * (4 * 50_885 + 101_770) * 4 * 8 / 100e6
     assert bound.ps_link_bound_ms(mlp, 2, 4, int(100e6)) == \
         pytest.approx(halves_ms, rel=1e-4)
+
+
+def test_every_peer_runs_and_says_how_it_ended(tmp_path):
+    """mwms, sro and async beside the ps trainer, two workers each: every
+    row, the x mwms ratio, the recipe's pushes and who the benchmark had to
+    stop (servers that never return), read back from results.json."""
+    data = helpers.fake_mnist(tmp_path / "data")
+    out = tmp_path / "bench"
+    result = helpers.run(
+        ["-m", "trainer.benchmark", "--model=softmax", "--train_steps=20",
+         "--batch_size=32", "--workers=2", "--baselines=mwms,sro,async",
+         "--eval_every=10", "--log_every=10", f"--data_dir={data}",
+         "--nodownload", f"--out={out}"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = {r["run"]: r for r in
+            json.loads((out / "results.json").read_text())["rows"]}
+    assert list(rows) == ["ps_2w", "mwms_2w", "sro_2w", "async_2w"]
+    mwms = rows["mwms_2w"]["images_per_sec"]
+    for name, row in rows.items():
+        assert row["x_mwms"] == pytest.approx(row["images_per_sec"] / mwms)
+        assert 0 < row["test_accuracy"] <= 1
+    assert rows["mwms_2w"]["ended_by_itself"] == "yes"
+    # The recipe's ps blocks in server.join(); async's servers never end.
+    assert "ps0" in rows["sro_2w"]["ended_by_itself"]
+    assert rows["async_2w"]["ended_by_itself"].startswith("no: stopped")
+    pushed = dict(p.split(":") for p in
+                  rows["sro_2w"]["pushed_gradients"].split(";"))
+    assert set(pushed) == {"0", "1"} and int(pushed["0"]) >= 20
+
+
+def test_simulated_runs_start_the_projects_scripts():
+    """The per-machine scripts the simulated-host runs start exist where
+    the runs look for them."""
+    assert simulated.REPO == helpers.REPO
+    assert (simulated.REPO / "run_worker.sh").exists()
+    assert (simulated.REPO / "run_ps.sh").exists()

@@ -249,3 +249,9 @@ def test_dropout_noise_is_the_same_however_the_batch_is_split():
     np.testing.assert_array_equal(np.concatenate(parts), whole)
     assert whole.shape == (13, 6)
     assert not np.array_equal(whole, other_step)
+
+
+def test_the_default_data_folder_is_the_projects_data_folder():
+    """data/ beside trainer/, wherever the module lives in the package."""
+    assert data.DEFAULT_DATA_DIR == helpers.REPO / "data"
+    assert (data.DEFAULT_DATA_DIR / "README.md").exists()

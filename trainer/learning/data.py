@@ -24,7 +24,7 @@ import numpy as np
 from trainer.common.errors import UserError, edge
 
 ENV_DATA_DIR = "MNIST_DATA_DIR"
-DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
+DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "data"
 
 TRAIN_IMAGES = "train-images-idx3-ubyte.gz"
 TRAIN_LABELS = "train-labels-idx1-ubyte.gz"

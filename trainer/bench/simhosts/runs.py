@@ -21,7 +21,7 @@ from trainer.common import processes
 from trainer.common.errors import RunFailed
 from trainer.observe import progress
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 PORT = 2222  # every host has its own network namespace, so one port fits
 
 
