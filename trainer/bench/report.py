@@ -16,7 +16,8 @@ EXTRA_COLUMNS = ("images_per_sec_repeats", "x_mwms", "host_cpu", "ps_cpu",
                  "link_rate", "ps_placement", "speedup",
                  "scaling_efficiency", "ps_link_bytes_per_step",
                  "ps_link_bound_ms", "ring_bound_ms", "step_over_bound",
-                 "pushed_gradients", "ended_by_itself", "traced_step_ms",
+                 "pushed_gradients", "ended_by_itself", "error",
+                 "traced_step_ms",
                  "step_compute_ms", "step_pull_params_ms",
                  "step_push_grads_ms", "step_wait_others_ms",
                  "step_aggregate_apply_ms", "step_other_ms")
@@ -84,6 +85,7 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         ("peak RSS MB", "peak_rss_mb", _cell),
         ("gradients pushed", "pushed_gradients", _cell),
         ("ended by itself", "ended_by_itself", _cell),
+        ("error", "error", _cell),
         ("traced step ms", "traced_step_ms", _cell),
         ("compute", "step_compute_ms", _cell),
         ("pull", "step_pull_params_ms", _cell),
@@ -121,7 +123,8 @@ def _plot(path: pathlib.Path, rows: list[dict]) -> None:
     for kind, label in (("ps", "this trainer (ps)"), ("mwms", "MWMS"),
                         ("sro", "SyncReplicasOptimizer recipe"),
                         ("async", "async (ParameterServerStrategy)")):
-        kind_rows = sorted((r for r in rows if r["kind"] == kind),
+        kind_rows = sorted((r for r in rows
+                            if r["kind"] == kind and "error" not in r),
                            key=lambda r: r["workers"])
         if kind_rows:
             workers = [r["workers"] for r in kind_rows]

@@ -6,11 +6,13 @@ from trainer.bench import runs as runs_lib
 from trainer.bench.simhosts import bound as bound_lib
 
 
-def median_run(group: list[runs_lib.Run]) -> runs_lib.Run:
+def median_run(group: list[runs_lib.Run]) -> runs_lib.Run | None:
     """The run with the median images/s (the lower middle of an even
-    count), so that every column of a row comes from one run."""
-    ordered = sorted(group, key=lambda r: r.results["images_per_sec"])
-    return ordered[(len(ordered) - 1) // 2]
+    count) of those that did not fail, so that every column of a row
+    comes from one run; None if all failed."""
+    ordered = sorted((r for r in group if r.error is None),
+                     key=lambda r: r.results["images_per_sec"])
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
 def make_rows(s: runs_lib.Settings, grouped: list, target: float
@@ -18,11 +20,16 @@ def make_rows(s: runs_lib.Settings, grouped: list, target: float
     """One row per configuration; returns rows and the E reference (the
     best single process, else the first run)."""
     medians = [median_run(g) for g in grouped]
-    singles = [r for r in medians if r.kind == "single"]
+    singles = [r for r in medians if r and r.kind == "single"]
     reference = (max(r.results["images_per_sec"] for r in singles)
                  if singles else medians[0].results["images_per_sec"])
     rows = []
     for run, group in zip(medians, grouped):
+        if run is None:  # every repeat failed: the row says why
+            rows.append({"run": group[0].name, "kind": group[0].kind,
+                         "workers": group[0].workers,
+                         "error": group[-1].error})
+            continue
         row = run.row(target, reference)
         if len(group) > 1:
             row["images_per_sec_repeats"] = ";".join(
@@ -38,9 +45,9 @@ def _add_x_mwms(medians: list, rows: list) -> None:
     """x_mwms: images/s over the MultiWorkerMirroredStrategy run with the
     same worker count in this benchmark (none without one)."""
     mwms = {r.workers: r.results["images_per_sec"] for r in medians
-            if r.kind == "mwms"}
+            if r and r.kind == "mwms"}
     for run, row in zip(medians, rows):
-        if run.workers in mwms and run.kind != "single":
+        if run and run.workers in mwms and run.kind != "single":
             row["x_mwms"] = run.results["images_per_sec"] / mwms[run.workers]
 
 
@@ -48,9 +55,11 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
                       rows: list) -> None:
     """Speedup, scaling efficiency and the link bounds (bound.py)."""
     # S(N) needs the 1-worker run of the same benchmark.
-    one = next((r for r in medians if r.kind == "ps" and r.workers == 1),
-               None)
+    one = next((r for r in medians
+                if r and r.kind == "ps" and r.workers == 1), None)
     for run, row in zip(medians, rows):
+        if run is None:
+            continue
         row.update(host_cpu=s.sim.host_cpu, ps_cpu=s.sim.ps_cpu,
                    link_rate=s.sim.link_rate)
         if run.kind == "mwms":
@@ -71,12 +80,18 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
             ps_link_bytes_per_step=bound_lib.busiest_ps_link_bytes(
                 s.config, s.num_ps, run.workers, s.sim.ps_placement),
             ps_link_bound_ms=bound,
-            step_over_bound=run.results["mean_step_time_ms"] / bound)
+            # No link traffic at all (one worker beside its ps): no bound.
+            step_over_bound=(run.results["mean_step_time_ms"] / bound
+                             if bound else None))
 
 
-def write_dashboard(out, s: runs_lib.Settings, plan: list, medians: list,
+def write_dashboard(out, s: runs_lib.Settings, plan: list, grouped: list,
                     rows: list) -> None:
-    """TensorBoard HParams: one session per configuration (its median)."""
+    """TensorBoard HParams: one session per configuration (its median;
+    none where every repeat failed)."""
+    pairs = [(median_run(g), row) for g, row in zip(grouped, rows)]
+    pairs = [(run, row) for run, row in pairs if run is not None]
+    medians = [run for run, _ in pairs]
     domains = {"kind": sorted({k for k, _ in plan}),
                "workers": sorted({r.workers for r in medians}),
                "ps_tasks": sorted({r.ps_tasks for r in medians}),
@@ -84,7 +99,7 @@ def write_dashboard(out, s: runs_lib.Settings, plan: list, medians: list,
     if s.sim:
         domains.update(host_cpu=[s.sim.host_cpu], link_rate=[s.sim.link_rate])
     dashboard.write_experiment(out, domains)
-    for run, row in zip(medians, rows):
+    for run, row in pairs:
         hparams = {"kind": run.kind, "workers": run.workers,
                    "ps_tasks": run.ps_tasks, "model": s.config.model,
                    "batch": s.config.batch_size}

@@ -63,6 +63,7 @@ class Run:
     ps_tasks: int = 0
     config_key: str = ""  # runs with the same key repeat one configuration
     extra: dict = dataclasses.field(default_factory=dict)  # more columns
+    error: str | None = None  # why the run failed (a peer's row says so)
 
     def row(self, target: float, reference_images_per_sec: float) -> dict:
         reached = [e["train_secs"] for e in self.results["eval_history"]

@@ -126,7 +126,10 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
         with tf.compat.v1.train.MonitoredTrainingSession(
                 master=server.target, is_chief=is_chief, hooks=hooks,
                 save_checkpoint_secs=None, save_summaries_steps=None,
-                log_step_count_steps=None) as session:
+                log_step_count_steps=None,
+                # The chief's token queue runner stays blocked at the end;
+                # the default 120 s grace only delays the exit.
+                stop_grace_period_secs=10) as session:
             state = {"local": 0, "global": 0}
             if not is_chief:
                 _report_pushes(out_path, index, state)
