@@ -123,6 +123,9 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
         g = _Graph(config, cluster, index, num_workers, train_steps)
         hooks = [g.optimizer.make_session_run_hook(is_chief),
                  tf.compat.v1.train.StopAtStepHook(last_step=train_steps)]
+        state = {"local": 0, "global": 0}
+        if not is_chief:  # from before the wait for the chief's init
+            _report_pushes(out_path, index, state)
         with tf.compat.v1.train.MonitoredTrainingSession(
                 master=server.target, is_chief=is_chief, hooks=hooks,
                 save_checkpoint_secs=None, save_summaries_steps=None,
@@ -130,9 +133,6 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
                 # The chief's token queue runner stays blocked at the end;
                 # the default 120 s grace only delays the exit.
                 stop_grace_period_secs=10) as session:
-            state = {"local": 0, "global": 0}
-            if not is_chief:
-                _report_pushes(out_path, index, state)
             pushed, outcome = _train(config, mnist, g, session, train_steps,
                                      is_chief, state)
     fields = {"worker": index, "pushed_gradients": pushed}
