@@ -88,6 +88,55 @@ class Run:
         }
 
 
+class _RunWatch:
+    """What stream watches while a run's processes work: the leader's
+    lines (progress, its tail, `watch`), the deadline, and with
+    after_leader_secs the grace the others get once the leader is done."""
+
+    def __init__(self, children, label, timeout, after_leader_secs, watch):
+        self.children, self.label = children, label
+        self.timeout, self.deadline = timeout, time.monotonic() + timeout
+        self.after_leader_secs, self.watch = after_leader_secs, watch
+        self.tail = collections.deque(maxlen=30)
+        self.leader_done = None  # when the first process was seen done
+        self.stopped = []        # names stopped once the leader was done
+
+    def on_line(self, line) -> None:
+        line = line.decode(errors="replace") if isinstance(
+            line, bytes) else line
+        self.tail.append(line.rstrip())
+        if self.watch is not None:
+            self.watch(line)
+        figures = progress.parse_progress_line(line)
+        if figures:
+            logging.info("%s: step %d/%d, ETA %s", self.label,
+                         figures["step"], figures["train_steps"],
+                         figures["eta"])
+
+    def give_up(self) -> str | None:
+        now = time.monotonic()
+        if now > self.deadline:
+            return f"no end after {self.timeout:.0f} s"
+        if self.after_leader_secs is None or self.children[0].poll() != 0:
+            return None
+        self.leader_done = self.leader_done or now
+        if now - self.leader_done < self.after_leader_secs:
+            return None
+        self.stopped = [c.name for c in self.children if c.poll() is None]
+        return _LEADER_DONE
+
+    def announce(self, ending: processes.Ending) -> None:
+        if ending.reason == _LEADER_DONE:
+            logging.info("%s: the leader ended; %s did not end within "
+                         "%.0f s: stopping them", self.label,
+                         ", ".join(self.stopped), self.after_leader_secs)
+            return
+        failed = ending.failed
+        logging.error("%s: %s; stopping its processes", self.label,
+                      f"process {self.children.index(failed)} exited with "
+                      f"status {failed.poll()}" if failed else ending.reason)
+
+
 def stream(children: list, label: str, timeout: float,
            after_leader_secs: float | None = None,
            stopped: list | None = None, watch=None) -> list[int]:
@@ -107,59 +156,22 @@ def stream(children: list, label: str, timeout: float,
     children = [c if isinstance(c, processes.Child) else
                 processes.Child(f"process {i}", c)
                 for i, c in enumerate(children)]
-    tail = collections.deque(maxlen=30)
-
-    def on_line(line):
-        line = line.decode(errors="replace") if isinstance(
-            line, bytes) else line
-        tail.append(line.rstrip())
-        if watch is not None:
-            watch(line)
-        figures = progress.parse_progress_line(line)
-        if figures:
-            logging.info("%s: step %d/%d, ETA %s", label, figures["step"],
-                         figures["train_steps"], figures["eta"])
-
-    leader_done = []  # when the first process was seen to exit 0
-
-    def give_up() -> str | None:
-        now = time.monotonic()
-        if now > deadline:
-            return f"no end after {timeout:.0f} s"
-        if after_leader_secs is None or children[0].poll() != 0:
-            return None
-        leader_done.append(now)
-        if now - leader_done[0] < after_leader_secs:
-            return None
-        stopped.extend(c.name for c in children if c.poll() is None)
-        return _LEADER_DONE
-
-    def announce(ending: processes.Ending) -> None:
-        if ending.reason == _LEADER_DONE:
-            logging.info("%s: the leader ended; %s did not end within "
-                         "%.0f s: stopping them", label, ", ".join(stopped),
-                         after_leader_secs)
-            return
-        failed = ending.failed
-        logging.error("%s: %s; stopping its processes", label,
-                      f"process {children.index(failed)} exited with status "
-                      f"{failed.poll()}" if failed else ending.reason)
-
-    children[0].relay(on_line)
-    deadline = time.monotonic() + timeout
+    run = _RunWatch(children, label, timeout, after_leader_secs, watch)
+    children[0].relay(run.on_line)
     try:
-        processes.supervise(
-            children, STOP_GRACE_SECS, give_up, announce, poll_secs=0.2)
+        processes.supervise(children, STOP_GRACE_SECS, run.give_up,
+                            run.announce, poll_secs=0.2)
     finally:  # nothing left running, whatever ended the wait
         processes.stop_all(children, STOP_GRACE_SECS)
     statuses = [c.poll(block=True) for c in children]
     children[0].join_relay(timeout=10)
-    if stopped:
-        statuses = [0 if c.name in stopped else status
-                    for c, status in zip(children, statuses)]
+    if stopped is not None:
+        stopped.extend(run.stopped)
+    statuses = [0 if c.name in run.stopped else status
+                for c, status in zip(children, statuses)]
     if any(statuses):
         logging.error("%s failed (exit statuses %s); its last lines:\n%s",
-                      label, statuses, "\n".join(tail))
+                      label, statuses, "\n".join(run.tail))
     return statuses
 
 
