@@ -13,10 +13,9 @@ import pytest
 
 from tests import helpers
 from tests.test_cluster_runs import final_parameters, max_relative_difference
+from tests.test_hosts import available  # noqa: F401 (a fixture)
 from trainer.bench.simhosts import bound
-from trainer.bench.simhosts import hosts
 from trainer.common.config import TrainConfig
-from trainer.common.errors import UserError
 
 pytestmark = pytest.mark.hosts
 
@@ -24,14 +23,6 @@ FLAGS = ("--hosts=simulated", "--host_cpu=0.4", "--link_rate=1gbit",
          "--model=mlp", "--hidden_units=32", "--batch_size=64", "--seed=3",
          "--optimizer=sgd", "--learning_rate=0.1", "--train_steps=30",
          "--log_every=10", "--eval_every=30", "--nodownload")
-
-
-@pytest.fixture(scope="module")
-def available():
-    try:
-        hosts.check_available()
-    except UserError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
