@@ -13,10 +13,12 @@ import pytest
 from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
-from trainer.bench import dashboard, runs
+from trainer.bench import dashboard, report, runs
+from trainer.bench import rows as rows_lib
 from trainer.bench.simhosts import bound
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import TrainConfig
+from trainer.observe import progress
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
@@ -199,3 +201,39 @@ def test_simulated_runs_start_the_projects_scripts():
     assert simulated.REPO == helpers.REPO
     assert (simulated.REPO / "run_worker.sh").exists()
     assert (simulated.REPO / "run_ps.sh").exists()
+
+
+def test_the_straggler_is_cut_once_when_training_runs():
+    """--straggler: the last worker's host drops to a tenth of its budget
+    at the leader's first-step line, once."""
+    class Host:
+        name, cuts = "w3", []
+
+        def set_cpu(self, cores):
+            self.cuts.append(cores)
+
+    host = Host()
+    watch = simulated.Straggler(host, 0.3)
+    watch("I1123 step 0 ...: starting")
+    assert host.cuts == []
+    watch(f"I1123 progress.py:132] {progress.FIRST_STEP_DONE} in 3.1 s")
+    watch(f"I1123 progress.py:132] {progress.FIRST_STEP_DONE} in 3.1 s")
+    assert host.cuts == [pytest.approx(0.03)]
+
+
+def test_a_failed_peer_gets_an_error_row_and_the_rest_goes_on(tmp_path):
+    config = TrainConfig(logdir=str(tmp_path), model="softmax")
+    s = runs.Settings(tmp_path, config, [], 1, 60)
+    results = {"images_per_sec": 100.0, "final_test_accuracy": 0.9,
+               "wall_time_secs": 2.0, "train_time_secs": 1.0,
+               "mean_step_time_ms": 5.0, "eval_history": []}
+    grouped = [[runs.Run("ps_2w", "ps", 2, results, {"chief": 500.0})],
+               [runs.Run("sro_2w", "sro", 2, {}, {}, error="sro_2w failed "
+                         "with statuses [1, 0, 0]")]]
+    rows, _ = rows_lib.make_rows(s, grouped, 0.99)
+    assert rows[1] == {"run": "sro_2w", "kind": "sro", "workers": 2,
+                       "error": "sro_2w failed with statuses [1, 0, 0]"}
+    table = report.write_outputs(tmp_path, rows, 0.99)
+    assert "sro_2w failed with statuses [1, 0, 0]" in table
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][1][
+        "error"].startswith("sro_2w failed")
