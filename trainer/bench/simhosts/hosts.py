@@ -237,6 +237,13 @@ class Host:
                 f"{value}\n")
         self.cpu = cores
 
+    def cpu_stat(self) -> dict:
+        """The cgroup's CFS counters: nr_periods, nr_throttled,
+        throttled_time (ns), ..."""
+        text = pathlib.Path(self.cgroup, "cpu.stat").read_text()
+        return {k: int(v) for k, v in (line.split() for line in
+                                       text.splitlines() if line)}
+
     def link_down(self) -> None:
         """Cuts this host off the network (its bridge port goes down)."""
         _run(["ip", "-n", self.bridge_ns, "link", "set", self.port, "down"])

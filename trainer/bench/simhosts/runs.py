@@ -53,11 +53,36 @@ class Straggler:
                          self.host.name, self.cores / 10)
 
 
-def _straggler(sim: HostSettings, worker_hosts: list):
-    """The watch that makes the last worker a straggler, or None."""
-    if not sim.straggler or len(worker_hosts) < 2:
-        return None
-    return Straggler(worker_hosts[-1], sim.host_cpu)
+class Watches:
+    """What a simulated run watches in the leader's lines: once training
+    runs (its first step done), the straggler's cut (--straggler) and the
+    hosts' CPU counters, so that `throttled()` covers training only."""
+
+    def __init__(self, sim: HostSettings, hosts: list, worker_hosts: list):
+        self.hosts, self.start = hosts, None
+        self.straggler = (Straggler(worker_hosts[-1], sim.host_cpu)
+                          if sim.straggler and len(worker_hosts) > 1
+                          else None)
+
+    def __call__(self, line: str) -> None:
+        if self.straggler is not None:
+            self.straggler(line)
+        if self.start is None and progress.FIRST_STEP_DONE in line:
+            self.start = {h.name: h.cpu_stat() for h in self.hosts}
+
+    def throttled(self) -> dict:
+        """Column cpu_throttled: per host, the share of CFS periods since
+        training began in which its budget ran out (the host had to wait),
+        e.g. "w0:35%;ps0:0%"; none if training never began."""
+        if self.start is None:
+            return {}
+        shares = []
+        for host in self.hosts:
+            now, then = host.cpu_stat(), self.start[host.name]
+            periods = max(now["nr_periods"] - then["nr_periods"], 1)
+            throttled = now["nr_throttled"] - then["nr_throttled"]
+            shares.append(f"{host.name}:{100 * throttled / periods:.0f}%")
+        return {"cpu_throttled": ";".join(shares)}
 
 
 def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
@@ -67,7 +92,12 @@ def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
     wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
           for k in range(workers)]
     if sim.ps_placement == "colocated":
-        ps, ps_port = wk[:num_ps], PORT + 1
+        # ps k beside worker k + 1 (mod N): ps 0 (the step, the queues and
+        # the training loop's control) and the chief are each the busiest
+        # of their job; on one host of 0.3 core they ran out of CPU in a
+        # third of the CFS periods while the other hosts never did.
+        ps = [wk[(k + 1) % workers] for k in range(num_ps)]
+        ps_port = PORT + 1
     else:
         ps = [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
               for i in range(num_ps)]
@@ -109,14 +139,17 @@ def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                       for i, h in enumerate(ps)]
             others += [start(h, "run_worker.sh", k, f"worker{k}")
                        for k, h in enumerate(wk) if k > 0]
+            watches = Watches(sim, wk + [h for h in ps if h not in wk], wk)
             statuses = runs_lib.stream([chief, *others], label, s.timeout,
-                                       watch=_straggler(sim, wk))
+                                       watch=watches)
+            throttled = watches.throttled()
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}; logs in "
                         f"{s.out}/{name}.*.log")
     results = json.loads((logdir / "results.json").read_text())
     return runs_lib.Run(name, "ps", workers, results,
-                        {"chief": results["peak_rss_mb"]}, s.num_ps)
+                        {"chief": results["peak_rss_mb"]}, s.num_ps,
+                        extra=throttled)
 
 
 def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
@@ -170,6 +203,10 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                     [sys.executable, *task.argv],
                     env=processes.child_env(), cwd=str(REPO), stdout=out,
                     stderr=subprocess.STDOUT, text=True)))
-            return runs_lib.finish_peer(
+            watches = Watches(sim, [h for hosts in placed.values()
+                                    for h in hosts], placed["worker"])
+            run = runs_lib.finish_peer(
                 kind, workers, name, label, peer_tasks, children, s.timeout,
-                num_ps, _straggler(sim, placed["worker"]))
+                num_ps, watches)
+            run.extra.update(watches.throttled())
+            return run
