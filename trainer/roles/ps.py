@@ -1,6 +1,8 @@
 """A ps task: serves the variables the workers place on it until the chief
 says the run is over."""
 
+import time
+
 from absl import logging
 import tensorflow as tf
 
@@ -10,27 +12,31 @@ from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
 from trainer.sync import coordination
 
+POLL_SECS = 0.25  # how often the ps looks for the chief's end message
+
 
 def serve(config: TrainConfig, task: Task, server) -> None:
     """Serves variables until the chief puts an element in our queue.
 
-    `server.join()` would never return; instead the ps runs a dequeue on its
-    own shutdown queue, a second at a time so that signals get through.
+    `server.join()` would never return; instead the ps looks at its own
+    shutdown queue a few times a second, so that signals get through, and
+    takes the element only once it is there. (A blocking dequeue with a
+    RunOptions timeout could lose it: when the deadline passes just after
+    the dequeue took the element, the run fails and the element is gone,
+    and the ps served on forever. A ps sharing a starved host with a
+    worker hit this.)
     """
     graph = tf.Graph()
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):
-        wait = coordination.shutdown_queue(task.task_index).dequeue()
-    options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
+        queue = coordination.shutdown_queue(task.task_index)
+        queued, take = queue.size(), queue.dequeue()
     with tf.compat.v1.Session(server.target, graph=graph,
                               config=devices.session_config(config, task)
                               ) as session:
         logging.info("%s serving", task.describe())
-        while True:
-            try:
-                status = session.run(wait, options=options)
-                break
-            except tf.errors.DeadlineExceededError:
-                continue
+        while not session.run(queued):
+            time.sleep(POLL_SECS)
+        status = session.run(take)
     if status:
         raise RunFailed("the chief stopped the run after an error; see its "
                         "log")
