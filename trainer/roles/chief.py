@@ -9,13 +9,13 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from trainer.saving import checkpoints
-from trainer.saving import export
+from trainer.common.errors import RunFailed
+from trainer.common.tf_session import error_summary
 from trainer.observe import progress
 from trainer.observe import tracing
-from trainer.common.errors import RunFailed
-from trainer.roles.lifecycle import WorkerRole
-from trainer.common.tf_session import error_summary
+from trainer.roles.lifecycle import POLL_SECS, WorkerRole
+from trainer.saving import checkpoints
+from trainer.saving import export
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 RESULTS_FILE = "results.json"
@@ -157,17 +157,14 @@ class Chief(WorkerRole):
     def _collect_finished(self) -> dict:
         """The gradients the other workers say they pushed, reported as
         they finish."""
-        options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while (len(reports) < self.task.cluster.num_workers - 1
                and time.monotonic() < deadline):
-            try:
-                worker, steps = self.session.run(self.g.chief.take_finished,
-                                                 options=options)
-            except tf.errors.DeadlineExceededError:
-                continue
-            reports[int(worker)] = int(steps)
+            workers, steps = self.session.run(self.g.chief.take_finished)
+            reports.update(zip(workers.tolist(), steps.tolist()))
+            if len(reports) < self.task.cluster.num_workers - 1:
+                time.sleep(POLL_SECS)
         missing = [k for k in range(1, self.task.cluster.num_workers)
                    if k not in reports]
         if missing:

@@ -61,7 +61,7 @@ class ChiefOps:
     eval_outputs: dict                # {"loss", "accuracy"}: float32 []
     testset_init: object              # (session, images, labels) -> None
     param_values: dict                # parameter name -> float32 tensor
-    take_finished: tuple              # dequeue (worker int32, steps int64)
+    take_finished: tuple              # (workers int32 [n], steps int64 [n])
     contributions: tf.Tensor          # int64 [N]: admitted gradients
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
@@ -151,7 +151,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, sync, coord,
         stop_reason_in = tf.compat.v1.placeholder(tf.string, [],
                                                   "stop_reason")
         stop_op = coord.stop_op(stop_reason_in, sync)
-        take_finished = coord.take_report()
+        take_finished = coord.take_reports()
         contributions = sync.contributions.read_value()
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")

@@ -94,11 +94,12 @@ class RunCoordination:
             return sync.stop_workers(
                 [self.stop_reason.assign(reason, read_value=False)])
 
-    def take_report(self) -> tuple:
-        """Dequeues one end-of-run report: (worker int32, gradients
-        int64)."""
+    def take_reports(self) -> tuple:
+        """Dequeues the end-of-run reports queued so far, without waiting:
+        (workers int32 [n], gradients int64 [n]). Never blocking, it needs
+        no timeout, which could lose a report taken just as it expired."""
         with tf.device(self.device):
-            return self.finished.dequeue()
+            return self.finished.dequeue_many(self.finished.size())
 
     def shutdown_ops(self, num_ps: int, ps_device, status: tf.Tensor) -> list:
         """One enqueue of `status` (int32 []) per ps task, each on its
