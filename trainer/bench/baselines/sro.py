@@ -103,15 +103,21 @@ class _Graph:
         self.bounds, self.values = bounds, values
 
 
-def _report_pushes(out_path: str, index: int, state: dict) -> None:
-    """Writes {"worker", "pushed_gradients"} to out_path every half second:
-    a worker whose last token never comes is killed, not ended."""
+def _report_pushes(out_path: str, index: int,
+                   state: dict) -> threading.Event:
+    """Writes {"worker", "pushed_gradients"} to out_path every half second
+    until the returned event is set: a worker whose last token never comes
+    is killed, not ended, and its count must be on disk by then."""
+    done = threading.Event()
+
     def loop():
-        while True:
+        while not done.is_set():
             progress.write_json(out_path, {"worker": index,
                                            "pushed_gradients": state["local"]})
-            time.sleep(0.5)
+            done.wait(0.5)
+
     threading.Thread(target=loop, daemon=True, name="report").start()
+    return done
 
 
 def _run_worker(config, out_path, server, cluster, index) -> None:
@@ -124,8 +130,10 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
         hooks = [g.optimizer.make_session_run_hook(is_chief),
                  tf.compat.v1.train.StopAtStepHook(last_step=train_steps)]
         state = {"local": 0, "global": 0}
-        if not is_chief:  # from before the wait for the chief's init
-            _report_pushes(out_path, index, state)
+        # From before the wait for the chief's init; the chief writes its
+        # results once at the end.
+        reporting = (_report_pushes(out_path, index, state)
+                     if not is_chief else threading.Event())
         with tf.compat.v1.train.MonitoredTrainingSession(
                 master=server.target, is_chief=is_chief, hooks=hooks,
                 save_checkpoint_secs=None, save_summaries_steps=None,
@@ -135,12 +143,13 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
                 stop_grace_period_secs=10) as session:
             pushed, outcome = _train(config, mnist, g, session, train_steps,
                                      is_chief, state)
+    reporting.set()
     fields = {"worker": index, "pushed_gradients": pushed}
     if is_chief:
         common.write_results(out_path, config, train_steps, outcome,
                              **fields)
-    else:  # only if the last token came after all
-        progress.write_json(out_path, {**fields, "ended": True})
+    else:  # the last token came after all: the final count
+        progress.write_json(out_path, fields)
     logging.info("worker %d pushed %d gradients", index, pushed)
 
 
