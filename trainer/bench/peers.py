@@ -24,6 +24,17 @@ PEER_KINDS = ("mwms", "sro", "async")
 AFTER_LEADER_SECS = 10.0
 
 
+def ps_tasks(kind: str, num_ps: int) -> int:
+    """ps tasks a run of `kind` starts with --num_ps (none for the ring)."""
+    return 0 if kind == "mwms" else num_ps
+
+
+def after_leader_secs(kind: str) -> float | None:
+    """How long the others may take to end once the leader has, before
+    they are stopped; None where every process ends by itself."""
+    return None if kind == "mwms" else AFTER_LEADER_SECS
+
+
 @dataclasses.dataclass
 class PeerTask:
     """One process of a peer run."""

@@ -244,7 +244,7 @@ def run_peer(s: Settings, workers: int, name: str, label: str,
     out = s.out
     config = write_config(
         s, name, intra_op_threads=max(1, (os.cpu_count() or 1) // workers))
-    counts = {"worker": workers, "ps": s.num_ps if kind != "mwms" else 0,
+    counts = {"worker": workers, "ps": peers.ps_tasks(kind, s.num_ps),
               "chief": 1 if kind == "async" else 0}
     addresses = {job: [f"localhost:{p}" for p in
                        launcher.free_ports("localhost", n)] if n else []
@@ -269,10 +269,9 @@ def finish_peer(kind: str, workers: int, name: str, label: str,
     """Streams a started peer run to its end; its figures as a Run."""
     stopped = []
     statuses = stream(children, label, timeout,
-                      peers.AFTER_LEADER_SECS if kind != "mwms" else None,
-                      stopped, watch)
+                      peers.after_leader_secs(kind), stopped, watch)
     if any(statuses):
         raise RunFailed(f"{label} failed with statuses {statuses}")
     leader, peak, extra = peers.figures(kind, peer_tasks, stopped)
     return Run(name, kind, workers, leader, peak,
-               num_ps if kind != "mwms" else 0, extra=extra)
+               peers.ps_tasks(kind, num_ps), extra=extra)

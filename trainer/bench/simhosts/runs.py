@@ -180,7 +180,7 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
     sim: HostSettings = s.sim
     config = runs_lib.write_config(s, name, intra_op_threads=1,
                                    inter_op_threads=1)
-    num_ps = s.num_ps if kind != "mwms" else 0
+    num_ps = peers.ps_tasks(kind, s.num_ps)
     with hosts_lib.SimulatedHosts() as net:
         placed = {"worker": [net.add_host(f"w{k}", sim.host_cpu,
                                           sim.link_rate)
