@@ -75,7 +75,7 @@ def _dataset_fn(config, mnist, train_steps: int, num_workers: int):
 
         return tf.data.Dataset.range(train_steps).map(slice_of).repeat()
 
-    return dataset_fn, bounds
+    return dataset_fn
 
 
 def _stateless_dropout(seed: int, step: tf.Tensor, first_row: tf.Tensor):
@@ -100,7 +100,7 @@ def _coordinate(config, out_path, strategy, num_workers: int) -> None:
     with strategy.scope():
         flat = tf.Variable(common.initial_parameters(layout))
         rule_state = rule.flat_state(layout.sizes[0])
-    dataset_fn, _ = _dataset_fn(config, mnist, train_steps, num_workers)
+    dataset_fn = _dataset_fn(config, mnist, train_steps, num_workers)
     # distribute_datasets_from_function gives dataset_fn the worker's
     # InputContext (input_pipeline_id: which slice it feeds).
     iterators = iter(coordinator.create_per_worker_dataset(
