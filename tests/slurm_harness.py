@@ -92,6 +92,61 @@ def _hardware_line() -> str:
     return " ".join(word for word in first if word.startswith(keep))
 
 
+def make_root(root: pathlib.Path) -> None:
+    """Makes a harness's folder: MUNGE key and socket folders, state,
+    spool, logs and an empty plugstack.conf (see the module docstring)."""
+    # munged checks every folder above its socket; mkdir obeys umask.
+    closed = [str(p) for p in root.parents if not p.stat().st_mode & 0o001]
+    if closed:
+        raise RuntimeError(
+            f"munged needs every folder above its socket open to all "
+            f"(o+x), and {closed[0]} is not; set TMPDIR to one that is")
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    for sub, mode in (("munge-etc", 0o700), ("munge-run", 0o755),
+                      ("state", 0o755), ("spool", 0o755), ("log", 0o755)):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        (root / sub).chmod(mode)
+    key = root / "munge-etc" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    (root / "plugstack.conf").write_text("")
+
+
+def munged_argv(root: pathlib.Path) -> list[str]:
+    """munged in the foreground with everything in `root`."""
+    return ["munged", "--foreground",
+            f"--socket={root / 'munge-run' / 'munge.sock'}",
+            f"--key-file={root / 'munge-etc' / 'munge.key'}",
+            f"--seed-file={root / 'munge-etc' / 'munged.seed'}",
+            f"--pid-file={root / 'munge-run' / 'munged.pid'}",
+            f"--log-file={root / 'log' / 'munged.log'}"]
+
+
+def common_config(root: pathlib.Path) -> str:
+    """The slurm.conf lines every harness shares (no cgroups, no
+    accounting, MUNGE through our socket, files in `root`)."""
+    return f"""\
+ClusterName=throwaway
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root / 'munge-run' / 'munge.sock'}
+StateSaveLocation={root / 'state'}
+SlurmctldPidFile={root / 'slurmctld.pid'}
+SlurmctldLogFile={root / 'log' / 'slurmctld.log'}
+PlugStackConfig={root / 'plugstack.conf'}
+SelectType=select/linear
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SwitchType=switch/none
+ReturnToService=2"""
+
+
 class SlurmCluster:
     """munged + slurmctld + slurmd on this machine, in a folder of its own
     (`root`, made by start() and removed by stop())."""
@@ -127,12 +182,7 @@ class SlurmCluster:
         Stops whatever it started if that fails."""
         try:
             self._write_files()
-            self._spawn("munged", [
-                "munged", "--foreground", f"--socket={self.socket}",
-                f"--key-file={self.root / 'munge-etc' / 'munge.key'}",
-                f"--seed-file={self.root / 'munge-etc' / 'munged.seed'}",
-                f"--pid-file={self.root / 'munge-run' / 'munged.pid'}",
-                f"--log-file={self.logs / 'munged.log'}"])
+            self._spawn("munged", munged_argv(self.root))
             self._wait_for(self.socket.exists, "munged's socket")
             self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
             self._spawn("slurmd", ["slurmd", "-D", "-N", NODE,
@@ -143,54 +193,19 @@ class SlurmCluster:
             raise
 
     def _write_files(self) -> None:
-        # munged checks every folder above its socket; mkdir obeys umask.
-        closed = [str(p) for p in self.root.parents
-                  if not p.stat().st_mode & 0o001]
-        if closed:
-            raise RuntimeError(
-                f"munged needs every folder above its socket open to all "
-                f"(o+x), and {closed[0]} is not; set TMPDIR to one that is")
-        self.root.mkdir(mode=0o755)
-        self.root.chmod(0o755)
-        for sub, mode in (("munge-etc", 0o700), ("munge-run", 0o755),
-                          ("state", 0o755), ("spool", 0o755),
-                          ("log", 0o755)):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-            (self.root / sub).chmod(mode)
-        key = self.root / "munge-etc" / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        (self.root / "plugstack.conf").write_text("")
+        make_root(self.root)
         self.conf.write_text(self._config_text())
 
     def _config_text(self) -> str:
         ctld_port, slurmd_port = _free_ports(2)
-        r = self.root
         return f"""\
-ClusterName=throwaway
 SlurmctldHost={NODE}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={self.socket}
-StateSaveLocation={r / 'state'}
 SlurmdSpoolDir={self.spool}
-SlurmctldPidFile={r / 'slurmctld.pid'}
-SlurmdPidFile={r / 'slurmd.pid'}
-SlurmctldLogFile={self.logs / 'slurmctld.log'}
+SlurmdPidFile={self.root / 'slurmd.pid'}
 SlurmdLogFile={self.logs / 'slurmd.log'}
-PlugStackConfig={r / 'plugstack.conf'}
-SelectType=select/linear
-ProctrackType=proctrack/pgid
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-SwitchType=switch/none
-ReturnToService=2
+{common_config(self.root)}
 NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={NODE} {_hardware_line()}
 PartitionName=debug Nodes={NODE} Default=YES MaxTime=INFINITE State=UP \
 OverSubscribe=FORCE
@@ -227,10 +242,16 @@ OverSubscribe=FORCE
         text = path.read_text(errors="replace") if path.exists() else ""
         return f"--- {name}:\n" + "\n".join(text.splitlines()[-lines:])
 
+    def client(self, argv: list[str]) -> list[str]:
+        """A Slurm client command as run against this cluster (as is here;
+        the multi-node harness runs it in the controller's namespace)."""
+        return argv
+
     def command(self, args: list[str], timeout: float,
                 check: bool = True) -> subprocess.CompletedProcess:
         """Runs a Slurm client command against this cluster."""
-        return subprocess.run(args, env=self.env, capture_output=True,
+        return subprocess.run(self.client(args), env=self.env,
+                              capture_output=True,
                               text=True, timeout=timeout, check=check,
                               stdin=subprocess.DEVNULL)
 
@@ -243,7 +264,8 @@ OverSubscribe=FORCE
         subprocess.TimeoutExpired is raised with the output so far.
         """
         name = f"test-{uuid.uuid4().hex[:8]}"
-        command = ["srun", f"--job-name={name}", "--input=none", *args]
+        command = self.client(["srun", f"--job-name={name}", "--input=none",
+                               *args])
         proc = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, cwd=cwd,

@@ -15,6 +15,9 @@ HParams data (`tensorboard --logdir OUT`) and, with matplotlib, a PNG.
 task and every worker on a simulated host of its own (trainer/bench/simhosts/hosts.py:
 --host_cpu / --ps_cpu cores, --link_rate) and adds the speedup S(N), the
 scaling efficiency S(N)/N and the ps-link bound (trainer/bench/simhosts/bound.py).
+--hosts=slurm, run inside a Slurm allocation (salloc or sbatch), starts
+each run as an srun job step over the allocation's nodes
+(trainer/bench/slurm_steps.py; ps runs and the single baseline only).
 
 Every trainer flag (model, batch, optimizer, steps, ...) applies to every
 run. Traced runs (--trace_steps) add the step breakdown's columns.
@@ -23,6 +26,7 @@ run. Traced runs (--trace_steps) add the step breakdown's columns.
 import datetime
 import functools
 import math
+import os
 import pathlib
 import time
 
@@ -36,6 +40,7 @@ from trainer.bench import report
 from trainer.bench import peers
 from trainer.bench import rows as rows_lib
 from trainer.bench import runs as runs_lib
+from trainer.bench import slurm_steps
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
@@ -58,9 +63,14 @@ flags.DEFINE_float("target_accuracy", 0.99,
 flags.DEFINE_string("out", None,
                     "Output folder (default bench/<model>-<time>).")
 flags.DEFINE_float("run_timeout_secs", 3600, "Give up on a run after this.")
-flags.DEFINE_enum("hosts", "local", ["local", "simulated"],
+flags.DEFINE_enum("hosts", "local", ["local", "simulated", "slurm"],
                   "local: every process on this machine's loopback; "
-                  "simulated: each task on a simulated host (root only).")
+                  "simulated: each task on a simulated host (root only); "
+                  "slurm: each run an srun job step in the Slurm allocation "
+                  "this command runs in (salloc or sbatch).")
+flags.DEFINE_integer("slurm_tasks_per_node", 1, "With --hosts=slurm: tasks "
+                     "of a ps run on each node (1: every ps task and "
+                     "worker on a node of its own).")
 flags.DEFINE_float("host_cpu", 0.3, "With --hosts=simulated: cores of each "
                    "worker host and of the single-process host.")
 flags.DEFINE_float("ps_cpu", None, "With --hosts=simulated: cores of each "
@@ -105,10 +115,13 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out={out} already holds a benchmark; give a "
                         "new folder (or leave --out out for a fresh one)")
-    if FLAGS.hosts == "local":
+    if FLAGS.hosts != "simulated":
         if FLAGS.ps_placement != "separate" or FLAGS.straggler:
             raise UserError("--ps_placement and --straggler need "
                             "--hosts=simulated")
+    if FLAGS.hosts == "slurm":
+        return worker_counts, _check_slurm(worker_counts)
+    if FLAGS.hosts == "local":
         return worker_counts, None
     if (FLAGS.ps_placement == "colocated"
             and FLAGS.num_ps > min(worker_counts)):
@@ -120,6 +133,22 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
     return worker_counts, simulated.HostSettings(
         FLAGS.host_cpu, FLAGS.ps_cpu or FLAGS.host_cpu, FLAGS.link_rate,
         FLAGS.ps_placement, FLAGS.straggler)
+
+
+def _check_slurm(worker_counts: list[int]) -> slurm_steps.StepSettings:
+    """--hosts=slurm: runs only the ps cluster and the single baseline
+    (by default: the peers' tasks need addresses before they start)."""
+    if not FLAGS["baselines"].present:
+        FLAGS.baselines = ["single"]
+    peers_asked = sorted(set(FLAGS.baselines) & set(peers.PEER_KINDS))
+    if peers_asked:
+        raise UserError(f"--hosts=slurm runs the ps cluster and the single "
+                        f"baseline, not {', '.join(peers_asked)}; use "
+                        "--baselines=single (or none), or --hosts=local or "
+                        "simulated for the peers")
+    return slurm_steps.allocation(
+        os.environ, FLAGS.num_ps + max(worker_counts),
+        FLAGS.slurm_tasks_per_node, FLAGS.slurm_base_port)
 
 
 def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
@@ -138,6 +167,8 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
     local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single}
     on_hosts = {"ps": simulated.run_ps_on_hosts,
                 "single": simulated.run_single_on_host}
+    as_steps = {"ps": slurm_steps.run_ps_as_step,
+                "single": slurm_steps.run_single_as_step}
     for kind in peers.PEER_KINDS:  # (s, count, name, label) -> Run
         local[kind] = functools.partial(runs_lib.run_peer, kind=kind)
         on_hosts[kind] = functools.partial(simulated.run_peer_on_hosts,
@@ -153,8 +184,9 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
             label = f"[{done}/{total}] " + _LABELS[kind].format(count)
             logging.info("%s: starting", label)
             try:
-                run = (on_hosts if s.sim else local)[kind](s, count, name,
-                                                           label)
+                runner = (as_steps if s.steps else
+                          on_hosts if s.sim else local)[kind]
+                run = runner(s, count, name, label)
             except RunFailed as e:
                 if kind not in peers.PEER_KINDS:
                     raise
@@ -177,7 +209,7 @@ def main(argv) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
     try:
-        worker_counts, sim = check_settings(out)
+        worker_counts, hosts = check_settings(out)
     except UserError as e:
         logging.error("%s", e)
         return 2
@@ -185,9 +217,15 @@ def main(argv) -> int:
     train_flags = trainer_flags.forwarded_flags(
         exclude=("logdir", "checkpoint_every", "intra_op_threads"))
     train_flags.append(f"--checkpoint_every={runs_lib.NO_CHECKPOINTS}")
+    sim = hosts if isinstance(hosts, simulated.HostSettings) else None
+    steps = hosts if isinstance(hosts, slurm_steps.StepSettings) else None
+    if steps is not None:
+        logging.info("%s", slurm_steps.describe(steps))
+        if FLAGS["intra_op_threads"].present:  # else the trainer's default
+            train_flags.append(f"--intra_op_threads={FLAGS.intra_op_threads}")
     s = runs_lib.Settings(out, trainer_flags.config_from_flags(),
                           train_flags, FLAGS.num_ps, FLAGS.run_timeout_secs,
-                          sim)
+                          sim, steps)
     plan = plan_runs(worker_counts)
     logging.info("benchmark of %d runs x %d into %s: %s", len(plan),
                  FLAGS.repeats, out, ", ".join(f"{k} {n}" for k, n in plan))

@@ -39,6 +39,7 @@ class Settings:
     num_ps: int
     timeout: float           # seconds before a run is given up
     sim: object = None       # simulated.HostSettings, or None: loopback
+    steps: object = None     # slurm_steps.StepSettings with --hosts=slurm
 
 
 def _breakdown_columns(breakdown: dict | None) -> dict:

@@ -1,0 +1,167 @@
+"""Benchmark runs as job steps of a Slurm allocation (--hosts=slurm).
+
+The benchmark itself runs inside an allocation (`salloc` or the body of an
+`sbatch` script) and starts each configuration as one `srun` job step over
+the allocation's nodes, the way a user runs the trainer there:
+
+  * a ps run is `srun --nodes=M --ntasks=K+N python -m trainer.main
+    --cluster=slurm --num_ps=K ...`: the first K tasks are the ps tasks,
+    the next N the workers (trainer/cluster/slurm.py), placed
+    --slurm_tasks_per_node per node (default 1: every task on a node of
+    its own, as --hosts=simulated places them);
+  * the single-process baseline is a one-task step.
+
+Every node must see the same Python, this checkout and --out (a shared
+file system): the steps write their logdirs and results under --out, and
+the benchmark reads them there. A step that fails, times out or is
+interrupted is cancelled with scancel, so no task outlives its run.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from absl import logging
+
+from trainer.bench import runs as runs_lib
+from trainer.cluster import slurm
+from trainer.common import processes
+from trainer.common.errors import RunFailed, UserError
+
+SCANCEL_TIMEOUT_SECS = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Where the steps run: the allocation and the tasks per node."""
+
+    job_id: str
+    nodes: tuple[str, ...]   # the allocation's nodes, in Slurm's order
+    tasks_per_node: int      # tasks of a ps run on each node
+    base_port: int           # --slurm_base_port of the trainer's tasks
+
+
+def nodes_needed(tasks: int, tasks_per_node: int) -> int:
+    return math.ceil(tasks / tasks_per_node)
+
+
+def allocation(environ: Mapping[str, str], most_tasks: int,
+               tasks_per_node: int, base_port: int) -> StepSettings:
+    """The allocation this benchmark runs in, checked to hold its largest
+    run (`most_tasks` tasks); UserError (one line) otherwise."""
+    job_id = environ.get("SLURM_JOB_ID", "").strip()
+    nodelist = environ.get("SLURM_JOB_NODELIST", "").strip()
+    if not job_id or not nodelist:
+        raise UserError(
+            "--hosts=slurm starts job steps in a Slurm allocation, and this "
+            "process is not in one (no SLURM_JOB_ID); run it inside salloc "
+            "or an sbatch script, e.g. salloc --nodes=5 python -m "
+            "trainer.benchmark --hosts=slurm ...")
+    if tasks_per_node < 1:
+        raise UserError(f"--slurm_tasks_per_node={tasks_per_node}: give 1 "
+                        "or more tasks per node")
+    nodes = tuple(slurm.expand_hostlist(nodelist))
+    needed = nodes_needed(most_tasks, tasks_per_node)
+    if needed > len(nodes):
+        raise UserError(
+            f"--hosts=slurm: the largest run has {most_tasks} task(s), "
+            f"{tasks_per_node} per node, so it needs {needed} node(s), but "
+            f"allocation {job_id} has {len(nodes)} ({nodelist}); allocate "
+            f"--nodes={needed} or more, or raise --slurm_tasks_per_node")
+    return StepSettings(job_id, nodes, tasks_per_node, base_port)
+
+
+def srun_argv(steps: StepSettings, tasks: int, name: str) -> list[str]:
+    """srun for one step of `tasks` tasks named `name` (block layout)."""
+    per_node = min(tasks, steps.tasks_per_node)
+    return ["srun", f"--job-name={name}",
+            f"--nodes={nodes_needed(tasks, per_node)}", f"--ntasks={tasks}",
+            f"--ntasks-per-node={per_node}", "--distribution=block",
+            "--kill-on-bad-exit=1", "--label", "--input=none",
+            "--overcommit"]
+
+
+def _run_step(s: runs_lib.Settings, argv: list[str], name: str,
+              label: str, **env_changes) -> int:
+    """Runs one job step to its end (runs_lib.stream: progress, timeout,
+    Ctrl-C); cancels the step unless it ended well. The exit status."""
+    logging.info("%s: %s", label, " ".join(argv[:6]))
+    child = processes.Child.start(
+        name, argv, processes.child_env(**env_changes), own_session=False,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    status = 1
+    try:
+        (status,) = runs_lib.stream([child], label, s.timeout)
+    finally:
+        if status != 0:  # srun stopped by a signal may leave its tasks
+            _cancel_steps(s.steps.job_id, name)
+    return status
+
+
+def _cancel_steps(job_id: str, name: str) -> None:
+    """scancel every step of our job named `name` that is still there."""
+    listing = subprocess.run(
+        ["squeue", "--steps", f"--jobs={job_id}", "--noheader",
+         "--format=%i %j"], capture_output=True, text=True,
+        timeout=SCANCEL_TIMEOUT_SECS, check=False, stdin=subprocess.DEVNULL)
+    for line in listing.stdout.splitlines():
+        step_id, _, step_name = line.strip().partition(" ")
+        if step_name == name:
+            subprocess.run(["scancel", step_id], timeout=SCANCEL_TIMEOUT_SECS,
+                           check=False, stdin=subprocess.DEVNULL,
+                           capture_output=True)
+            logging.info("cancelled job step %s (%s)", step_id, name)
+
+
+def run_ps_as_step(s: runs_lib.Settings, workers: int, name: str,
+                   label: str) -> runs_lib.Run:
+    """A ps cluster of --num_ps ps tasks and `workers` workers as one step;
+    the chief (task --num_ps) writes results.json into out/name."""
+    steps: StepSettings = s.steps
+    logdir = s.out / name
+    tasks = s.num_ps + workers
+    argv = srun_argv(steps, tasks, name) + [
+        sys.executable, "-m", "trainer.main", "--cluster=slurm",
+        f"--num_ps={s.num_ps}", f"--slurm_base_port={steps.base_port}",
+        *s.train_flags, f"--logdir={logdir}"]
+    status = _run_step(s, argv, name, label)
+    if status != 0:
+        raise RunFailed(f"{label} failed: its job step exited with status "
+                        f"{status}")
+    results = json.loads((logdir / "results.json").read_text())
+    return runs_lib.Run(name, "ps", workers, results,
+                        {"chief": results["peak_rss_mb"]}, s.num_ps,
+                        extra={"nodes": nodes_needed(
+                            tasks, min(tasks, steps.tasks_per_node))})
+
+
+def run_single_as_step(s: runs_lib.Settings, threads: int, name: str,
+                       label: str) -> runs_lib.Run:
+    """The single-process baseline as a one-task step."""
+    config = runs_lib.write_config(s, name, intra_op_threads=threads)
+    results = s.out / f"{name}.results.json"
+    argv = srun_argv(s.steps, 1, name) + [
+        sys.executable, "-m", "trainer.bench.baselines", "single",
+        str(config), str(results)]
+    # A process without a server sizes its thread pool from this variable;
+    # srun passes our environment on to the task.
+    status = _run_step(s, argv, name, label,
+                       TF_NUM_INTRAOP_THREADS=str(threads))
+    if status != 0:
+        raise RunFailed(f"{label} failed: its job step exited with status "
+                        f"{status}")
+    data = json.loads(results.read_text())
+    return runs_lib.Run(name, "single", 1, data,
+                        {"process": data["peak_rss_mb"]},
+                        extra={"nodes": 1})
+
+
+def describe(steps: StepSettings) -> str:
+    return (f"job steps of Slurm allocation {steps.job_id} on "
+            f"{len(steps.nodes)} node(s) ({','.join(steps.nodes)}), "
+            f"{steps.tasks_per_node} task(s) per node, from port "
+            f"{steps.base_port}; this process: {os.uname().nodename}")
