@@ -38,6 +38,7 @@ removed; the mount namespaces end with their last process.
 
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -233,3 +234,40 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
             process.wait(10)
         self._procs.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def submit(cluster: slurm_harness.SlurmCluster, script: pathlib.Path,
+           cwd: pathlib.Path, env: dict) -> str:
+    """`sbatch SCRIPT` from cwd with env added; the job id."""
+    done = subprocess.run(
+        cluster.client(["sbatch", str(script)]), cwd=str(cwd),
+        env={**cluster.env, **env}, capture_output=True, text=True,
+        timeout=30, check=False, stdin=subprocess.DEVNULL)
+    match = re.search(r"Submitted batch job (\d+)", done.stdout)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"sbatch failed: {done.stdout}{done.stderr}")
+    return match.group(1)
+
+
+def job_state(cluster: slurm_harness.SlurmCluster, job_id: str) -> dict:
+    """scontrol's JobState, ExitCode and NodeList of a job."""
+    text = cluster.command(["scontrol", "show", "job", job_id], 30,
+                           check=False).stdout
+    return dict(re.findall(r"\b(JobState|ExitCode|NodeList)=(\S+)", text))
+
+
+def wait_job(cluster: slurm_harness.SlurmCluster, job_id: str,
+             timeout: float) -> dict:
+    """Polls until the job has ended; cancels it and raises after
+    `timeout` seconds. Its job_state()."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = job_state(cluster, job_id)
+        if state.get("JobState") not in ("PENDING", "RUNNING",
+                                         "CONFIGURING", "COMPLETING"):
+            return state
+        if time.monotonic() > deadline:
+            cluster.command(["scancel", job_id], 30, check=False)
+            raise TimeoutError(f"job {job_id} still {state} after "
+                               f"{timeout:.0f} s; cancelled")
+        time.sleep(1)

@@ -9,10 +9,10 @@ skipped, saying why, without.
 """
 
 import json
+import os
 import pathlib
 import re
 import sys
-import time
 
 import pytest
 
@@ -21,6 +21,7 @@ from tests import slurm_harness
 from tests import slurm_nodes
 from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.common.errors import UserError
+from trainer.observe import progress
 
 pytestmark = [pytest.mark.cluster, pytest.mark.hosts]
 
@@ -131,3 +132,65 @@ def test_resolver_agrees_with_tensorflow(nodes, shape, num_ps):
         assert views["ours"] == views["theirs"], views
         tasks += 1
     assert tasks >= 3
+
+
+def documented_scripts() -> dict[str, str]:
+    """The sbatch scripts of docs/deploying.md, by their job name."""
+    text = (helpers.REPO / "docs" / "deploying.md").read_text()
+    blocks = [b for b in re.findall(r"```bash\n(.*?)```", text, re.S)
+              if "#SBATCH" in b]
+    return {re.search(r"#SBATCH --job-name=(\S+)", b).group(1): b
+            for b in blocks}
+
+
+def test_docs_have_both_scripts():
+    assert sorted(documented_scripts()) == ["mnist-ps", "mnist-ps-2x2"]
+
+
+def submit_env(tmp_path: pathlib.Path, extra_flags: list[str]) -> dict:
+    """What sbatch passes on to the job (its whole environment): HOME
+    holds mnist (a link to the real files) and receives runs/, as a home
+    folder shared by the nodes would; PATH starts with a `python` that
+    runs ours with `extra_flags` appended (absl: the last value wins), so
+    the scripts as printed train a short run."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    (home / "mnist").symlink_to(helpers.real_mnist_dir().resolve())
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@" '
+                      f'{" ".join(extra_flags)}\n')
+    python.chmod(0o755)
+    return {"HOME": str(home), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "PYTHONPATH": str(helpers.REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+SHORT_RUN = ["--model=softmax", "--train_steps=40", "--batch_size=32",
+             "--log_every=10", "--eval_every=40", "--checkpoint_every=40",
+             "--download=false"]
+
+
+@pytest.mark.parametrize("job_name, roles", [
+    ("mnist-ps", ["ps 0 (n1:8888)", "worker 0 (n2:8888), the chief",
+                  "worker 1 (n3:8888)"]),
+    ("mnist-ps-2x2", ["ps 0 (n1:9000)", "worker 0 (n1:9001), the chief",
+                      "worker 1 (n2:9000)", "worker 2 (n2:9001)"]),
+])
+def test_documented_sbatch_script(nodes, tmp_path, job_name, roles):
+    script = tmp_path / f"{job_name}.sbatch"
+    script.write_text(documented_scripts()[job_name])
+    env = submit_env(tmp_path, SHORT_RUN)
+    job = slurm_nodes.submit(nodes, script, tmp_path, env)
+    state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
+    out = (tmp_path / f"{job_name}-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), (
+        state, out[-3000:])
+    for task, role in enumerate(roles):
+        first = labelled(out, task)[0]
+        assert f"1 ps, {len(roles) - 1} worker(s)" in first, first
+        assert first.endswith(f"this task is {role}"), first
+    results = json.loads((tmp_path / "home" / "runs" / job_name /
+                          "results.json").read_text())
+    assert (results["global_step"], results["num_workers"]) == (
+        40, len(roles) - 1)
+    assert results["final_test_accuracy"] > 0.5
