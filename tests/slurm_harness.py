@@ -258,14 +258,22 @@ OverSubscribe=FORCE
     def srun(self, args: list[str], timeout: float,
              cwd: str | None = None,
              env: dict | None = None) -> subprocess.CompletedProcess:
-        """Runs `srun ARGS` to the end; stdout and stderr merged, no stdin.
+        """Runs `srun ARGS` to the end (run_client)."""
+        return self.run_client(["srun", *args], timeout, cwd, env)
 
-        On timeout the job is cancelled and srun killed, then
+    def run_client(self, argv: list[str], timeout: float,
+                   cwd: str | None = None,
+                   env: dict | None = None) -> subprocess.CompletedProcess:
+        """Runs a job-starting client (srun, salloc) to the end, with a job
+        name of its own; stdout and stderr merged, no stdin.
+
+        On timeout the job is cancelled and the client killed, then
         subprocess.TimeoutExpired is raised with the output so far.
         """
         name = f"test-{uuid.uuid4().hex[:8]}"
-        command = self.client(["srun", f"--job-name={name}", "--input=none",
-                               *args])
+        command = self.client([argv[0], f"--job-name={name}",
+                               *(["--input=none"] if argv[0] == "srun"
+                                 else []), *argv[1:]])
         proc = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, cwd=cwd,

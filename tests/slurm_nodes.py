@@ -36,12 +36,14 @@ cgroups and namespaces is stopped by pid, then namespaces and cgroups are
 removed; the mount namespaces end with their last process.
 """
 
+import argparse
 import os
 import pathlib
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -191,6 +193,12 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
         return (done.returncode == 0 and sorted(states) == self.nodes
                 and set(states.values()) == {"idle"})
 
+    def node_state(self, name: str) -> str:
+        """sinfo's state of one node: idle, alloc, down*, ..."""
+        return self.command(["sinfo", "--Node", "--noheader", "--format=%t",
+                             f"--nodes={name}"], 10, check=False
+                            ).stdout.strip()
+
     def node_pids(self, name: str) -> set[int]:
         """Every process in node `name`'s cgroup: slurmd, the slurmstepd
         of each step on the node and the tasks."""
@@ -271,3 +279,37 @@ def wait_job(cluster: slurm_harness.SlurmCluster, job_id: str,
             raise TimeoutError(f"job {job_id} still {state} after "
                                f"{timeout:.0f} s; cancelled")
         time.sleep(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m tests.slurm_nodes [--nodes N] [--cpu C] [--link_rate R]
+    -- COMMAND...: runs COMMAND on the controller's host of a fresh
+    multi-node Slurm (e.g. salloc --nodes=4 python -m trainer.benchmark
+    --hosts=slurm ...), then removes everything; COMMAND's exit status."""
+    parser = argparse.ArgumentParser(prog="python -m tests.slurm_nodes")
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--cpu", type=float, default=None,
+                        help="cores of each node (default: no budget)")
+    parser.add_argument("--link_rate", default=None,
+                        help="each node's link rate, tc syntax (1gbit)")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give a command after --")
+    # Ctrl-C and SIGTERM end the command and remove the cluster, also when
+    # started from a script's background job (SIGINT ignored there).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with SlurmNodes(args.nodes, args.cpu, args.link_rate) as cluster:
+        process = subprocess.Popen(cluster.client(command), env=cluster.env)
+        try:
+            return process.wait()
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(30)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import sys
+import time
 
 import pytest
 
@@ -194,3 +195,82 @@ def test_documented_sbatch_script(nodes, tmp_path, job_name, roles):
     assert (results["global_step"], results["num_workers"]) == (
         40, len(roles) - 1)
     assert results["final_test_accuracy"] > 0.5
+
+
+def test_benchmark_on_an_allocation(nodes, tmp_path):
+    """salloc runs the benchmark on the controller's host; each run is a
+    job step over the allocation's three nodes."""
+    out = tmp_path / "bench"
+    done = nodes.run_client(
+        ["salloc", "--nodes=3", sys.executable, "-m", "trainer.benchmark",
+         "--hosts=slurm", "--workers=1,2", "--single_threads=1",
+         "--model=softmax", "--train_steps=20", "--batch_size=32",
+         "--log_every=10", "--eval_every=20",
+         f"--data_dir={helpers.real_mnist_dir()}", "--download=false",
+         f"--out={out}"], timeout=JOB_WAIT_SECS, cwd=helpers.REPO,
+        env={"PYTHONPATH": str(helpers.REPO)})
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "job steps of Slurm allocation" in done.stdout
+    rows = {r["run"]: r for r in json.loads(
+        (out / "results.json").read_text())["rows"]}
+    assert sorted(rows) == ["ps_1w", "ps_2w", "single_1t"]
+    assert [rows[r]["nodes"] for r in sorted(rows)] == [2, 3, 1]
+    for name in ("ps_1w", "ps_2w"):
+        results = json.loads((out / name / "results.json").read_text())
+        assert results["global_step"] == 20
+        assert results["num_workers"] == rows[name]["workers"]
+    assert all(r["images_per_sec"] > 0 for r in rows.values())
+    assert (out / "results.csv").exists()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def test_lost_node_then_resubmit_resumes(nodes, tmp_path):
+    """n3 (worker 1 of mnist-ps) dies mid-run: the chief checkpoints and
+    ends the job with one line naming it; the same script submitted again
+    runs on the three nodes left and resumes from that checkpoint."""
+    script = tmp_path / "mnist-ps.sbatch"
+    script.write_text(documented_scripts()["mnist-ps"])
+    env = submit_env(tmp_path, [
+        "--model=mlp", "--train_steps=600", "--batch_size=32",
+        "--log_every=20", "--eval_every=600", "--checkpoint_every=100000",
+        "--worker_timeout_secs=10", "--download=false"])
+    job = slurm_nodes.submit(nodes, script, tmp_path, env)
+    out_file = tmp_path / f"mnist-ps-{job}.out"
+
+    def chief_step() -> int:
+        text = out_file.read_text() if out_file.exists() else ""
+        steps = [progress.parse_progress_line(line) for line in
+                 labelled(text, 1)]
+        return max([s["step"] for s in steps if s] or [0])
+
+    wait_for(lambda: chief_step() >= 100, JOB_WAIT_SECS, "step 100")
+    nodes.lose_node("n3")
+    state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
+    out = out_file.read_text()
+    assert state["JobState"] != "COMPLETED", state
+    lost = [line for line in labelled(out, 1)
+            if "sent no gradient" in line]
+    assert len(lost) == 1, out[-3000:]
+    assert "worker 1 (n3:8888)" in lost[0], lost[0]
+    saved = int(re.search(r"saving a checkpoint at step (\d+)",
+                          lost[0]).group(1))
+    assert 100 <= saved < 600
+    logdir = tmp_path / "home" / "runs" / "mnist-ps"
+    assert (logdir / f"model.ckpt-{saved}.index").exists()
+
+    # Slurm marks the node down (SlurmdTimeout) before it is used again.
+    wait_for(lambda: "down" in nodes.node_state("n3"), 120, "n3 down")
+    again = slurm_nodes.submit(nodes, script, tmp_path, env)
+    state = slurm_nodes.wait_job(nodes, again, JOB_WAIT_SECS)
+    out = (tmp_path / f"mnist-ps-{again}.out").read_text()
+    assert (state["JobState"], state["NodeList"]) == (
+        "COMPLETED", "n[1-2,4]"), (state, out[-3000:])
+    assert f"(global step {saved})" in out, out[-3000:]
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["global_step"] == 600

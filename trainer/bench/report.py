@@ -13,7 +13,7 @@ COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "peak_rss_mb")
 # Columns only some benchmarks have: repeats, simulated hosts, traces.
 EXTRA_COLUMNS = ("images_per_sec_repeats", "x_mwms", "host_cpu", "ps_cpu",
-                 "link_rate", "ps_placement", "speedup",
+                 "link_rate", "ps_placement", "nodes", "speedup",
                  "scaling_efficiency", "ps_link_bytes_per_step",
                  "ps_link_bound_ms", "ring_bound_ms", "step_over_bound",
                  "pushed_gradients", "ended_by_itself", "cpu_throttled",
@@ -68,6 +68,7 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
     """(header, key, format) of every column the table may show."""
     return [
         ("run", "run", _cell), ("workers", "workers", _cell),
+        ("nodes", "nodes", _cell),
         ("test acc", "test_accuracy", _percent),
         ("wall s", "wall_time_secs", _cell),
         ("train s", "train_time_secs", _cell),

@@ -36,6 +36,8 @@ def make_rows(s: runs_lib.Settings, grouped: list, target: float
                 f"{r.results['images_per_sec']:.0f}" for r in group)
         rows.append(row)
     _add_x_mwms(medians, rows)
+    if s.sim or s.steps:  # one host (or node) per task: S(N) means scaling
+        _add_speedup(medians, rows)
     if s.sim:
         _add_host_columns(s, medians, rows)
     return rows, reference
@@ -51,12 +53,22 @@ def _add_x_mwms(medians: list, rows: list) -> None:
             row["x_mwms"] = run.results["images_per_sec"] / mwms[run.workers]
 
 
-def _add_host_columns(s: runs_lib.Settings, medians: list,
-                      rows: list) -> None:
-    """Speedup, scaling efficiency and the link bounds (bound.py)."""
-    # S(N) needs the 1-worker run of the same benchmark.
+def _add_speedup(medians: list, rows: list) -> None:
+    """Speedup S(N) over the 1-worker ps run of the same benchmark (none
+    without one) and the scaling efficiency S(N)/N, for the ps runs."""
     one = next((r for r in medians
                 if r and r.kind == "ps" and r.workers == 1), None)
+    for run, row in zip(medians, rows):
+        if one and run and run.kind == "ps":
+            speedup = (run.results["images_per_sec"]
+                       / one.results["images_per_sec"])
+            row.update(speedup=speedup,
+                       scaling_efficiency=speedup / run.workers)
+
+
+def _add_host_columns(s: runs_lib.Settings, medians: list,
+                      rows: list) -> None:
+    """The hosts' limits and the link bounds (bound.py)."""
     for run, row in zip(medians, rows):
         if run is None:
             continue
@@ -68,11 +80,6 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
         if run.kind != "ps":
             continue
         row["ps_placement"] = s.sim.ps_placement
-        if one:
-            speedup = (run.results["images_per_sec"]
-                       / one.results["images_per_sec"])
-            row.update(speedup=speedup,
-                       scaling_efficiency=speedup / run.workers)
         bound = bound_lib.ps_link_bound_ms(
             s.config, s.num_ps, run.workers, s.sim.link_rate_bps,
             s.sim.ps_placement)
@@ -109,5 +116,7 @@ def write_dashboard(out, s: runs_lib.Settings, plan: list, grouped: list,
         dashboard.write_run(out, run.name, hparams, {
             "final_test_accuracy": row["test_accuracy"],
             "images_per_sec": row["images_per_sec"],
-            "efficiency": row.get("scaling_efficiency", row["efficiency"]),
+            # The dashboard's label for it follows host_cpu (dashboard.py).
+            "efficiency": (row.get("scaling_efficiency", row["efficiency"])
+                           if s.sim else row["efficiency"]),
             "time_to_target_secs": row["time_to_target_secs"]})
