@@ -99,6 +99,12 @@ def test_bad_flags(args, status, phrases):
      ["--model=resnet", "value should be one of <softmax|mlp|cnn>"]),
     ("trainer.benchmark", ["--repeats=0"],
      ["--repeats=0", "0 is not a positive integer"]),
+    # Run outside a Slurm allocation (no SLURM_JOB_ID), as the suite is.
+    ("trainer.benchmark", ["--hosts=slurm"],
+     ["--hosts=slurm starts job steps in a Slurm allocation", "salloc"]),
+    ("trainer.benchmark", ["--hosts=slurm", "--baselines=single,mwms"],
+     ["--hosts=slurm runs the ps cluster and the single baseline, not "
+      "mwms"]),
     ("trainer.soak", ["--num_workers=0"],
      ["--num_workers=0", "0 is not a positive integer"]),
 ])

@@ -17,6 +17,7 @@ import pytest
 
 from tests import helpers
 from tests import slurm_harness
+from trainer.bench import slurm_steps
 from trainer.cluster import slurm
 from trainer.common.errors import UserError
 
@@ -135,6 +136,30 @@ def test_missing_scontrol_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder
     with pytest.raises(UserError, match="'scontrol' is not on PATH"):
         slurm.expand_hostlist("n[1-3]")
+
+
+def test_benchmark_allocation_must_hold_the_largest_run(monkeypatch):
+    monkeypatch.setattr(slurm, "expand_hostlist", fake_hostnames)
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]"}
+    steps = slurm_steps.allocation(env, most_tasks=5, tasks_per_node=2,
+                                   base_port=9000)
+    assert steps == slurm_steps.StepSettings("7", ("n1", "n2", "n3"), 2,
+                                             9000)
+    with pytest.raises(UserError, match=r"needs 5 node\(s\), but allocation"
+                       r" 7 has 3 \(n\[1-3\]\); allocate --nodes=5"):
+        slurm_steps.allocation(env, 5, 1, 8888)
+    with pytest.raises(UserError, match="not in one"):
+        slurm_steps.allocation({}, 2, 1, 8888)
+
+
+def test_benchmark_step_places_tasks_in_blocks():
+    steps = slurm_steps.StepSettings("7", ("n1", "n2", "n3"), 2, 9000)
+    argv = slurm_steps.srun_argv(steps, 5, "ps_4w")
+    assert argv[:6] == ["srun", "--job-name=ps_4w", "--nodes=3",
+                        "--ntasks=5", "--ntasks-per-node=2",
+                        "--distribution=block"]
+    one = slurm_steps.srun_argv(steps, 1, "single_1t")
+    assert one[2:5] == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1"]
 
 
 # --- On a real single-node Slurm -------------------------------------------
