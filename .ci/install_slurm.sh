@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs Slurm and MUNGE from the distribution (Debian/Ubuntu) so that
-# tests/test_slurm.py can start a throwaway single-node Slurm. Idempotent:
+# tests/test_slurm.py and tests/test_slurm_nodes.py can start throwaway
+# single-node and multi-node Slurm clusters. Idempotent:
 # does nothing when both are already installed. Without root or apt-get it
 # says so in one line and exits 0; the real-Slurm test then skips itself.
 set -euo pipefail

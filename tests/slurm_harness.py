@@ -255,14 +255,12 @@ OverSubscribe=FORCE
                               text=True, timeout=timeout, check=check,
                               stdin=subprocess.DEVNULL)
 
-    def srun(self, args: list[str], timeout: float,
-             cwd: str | None = None,
+    def srun(self, args: list[str], timeout: float, cwd: str | None = None,
              env: dict | None = None) -> subprocess.CompletedProcess:
         """Runs `srun ARGS` to the end (run_client)."""
         return self.run_client(["srun", *args], timeout, cwd, env)
 
-    def run_client(self, argv: list[str], timeout: float,
-                   cwd: str | None = None,
+    def run_client(self, argv: list[str], timeout: float, cwd=None,
                    env: dict | None = None) -> subprocess.CompletedProcess:
         """Runs a job-starting client (srun, salloc) to the end, with a job
         name of its own; stdout and stderr merged, no stdin.

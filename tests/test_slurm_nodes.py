@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 import time
 
@@ -31,6 +32,9 @@ JOB_WAIT_SECS = 300
 
 def _why_not() -> str | None:
     why = slurm_harness.missing_requirement()
+    if why is None and not (shutil.which("nsenter") and
+                            shutil.which("unshare")):
+        why = "nsenter or unshare not found; install util-linux"
     if why is None:
         try:
             hosts_lib.check_available()
@@ -170,6 +174,15 @@ def submit_env(tmp_path: pathlib.Path, extra_flags: list[str]) -> dict:
             "PYTHONPATH": str(helpers.REPO), "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
+def submit_documented(nodes, tmp_path: pathlib.Path, job_name: str,
+                      extra_flags: list[str]) -> tuple:
+    """Submits a documented script as printed: (script, env, job id)."""
+    script = tmp_path / f"{job_name}.sbatch"
+    script.write_text(documented_scripts()[job_name])
+    env = submit_env(tmp_path, extra_flags)
+    return script, env, slurm_nodes.submit(nodes, script, tmp_path, env)
+
+
 SHORT_RUN = ["--model=softmax", "--train_steps=40", "--batch_size=32",
              "--log_every=10", "--eval_every=40", "--checkpoint_every=40",
              "--download=false"]
@@ -182,10 +195,7 @@ SHORT_RUN = ["--model=softmax", "--train_steps=40", "--batch_size=32",
                       "worker 1 (n2:9000)", "worker 2 (n2:9001)"]),
 ])
 def test_documented_sbatch_script(nodes, tmp_path, job_name, roles):
-    script = tmp_path / f"{job_name}.sbatch"
-    script.write_text(documented_scripts()[job_name])
-    env = submit_env(tmp_path, SHORT_RUN)
-    job = slurm_nodes.submit(nodes, script, tmp_path, env)
+    _, _, job = submit_documented(nodes, tmp_path, job_name, SHORT_RUN)
     state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
     out = (tmp_path / f"{job_name}-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), (
@@ -205,13 +215,10 @@ def test_documented_benchmark_script(nodes, tmp_path):
     """docs/benchmark.md's script: the benchmark in the batch step on n1,
     each run a job step over the allocation's five nodes. The `python`
     shim shortens it to softmax, 20 steps, 1 and 2 workers."""
-    script = tmp_path / "mnist-bench.sbatch"
-    script.write_text(documented_scripts()["mnist-bench"])
-    env = submit_env(tmp_path, [
+    _, _, job = submit_documented(nodes, tmp_path, "mnist-bench", [
         "--model=softmax", "--train_steps=20", "--batch_size=32",
         "--log_every=10", "--eval_every=20", "--workers=1,2",
         "--single_threads=1", "--download=false"])
-    job = slurm_nodes.submit(nodes, script, tmp_path, env)
     state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
     log = (tmp_path / f"mnist-bench-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), (
@@ -241,13 +248,10 @@ def test_lost_node_then_resubmit_resumes(nodes, tmp_path):
     """n3 (worker 1 of mnist-ps) dies mid-run: the chief checkpoints and
     ends the job with one line naming it; the same script submitted again
     runs on the three nodes left and resumes from that checkpoint."""
-    script = tmp_path / "mnist-ps.sbatch"
-    script.write_text(documented_scripts()["mnist-ps"])
-    env = submit_env(tmp_path, [
+    script, env, job = submit_documented(nodes, tmp_path, "mnist-ps", [
         "--model=mlp", "--train_steps=600", "--batch_size=32",
         "--log_every=20", "--eval_every=600", "--checkpoint_every=100000",
         "--worker_timeout_secs=10", "--download=false"])
-    job = slurm_nodes.submit(nodes, script, tmp_path, env)
     out_file = tmp_path / f"mnist-ps-{job}.out"
 
     def chief_step() -> int:
