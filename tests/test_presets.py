@@ -86,8 +86,12 @@ def test_preset_parses_with_the_benchmark_flags(parsed, path):
              else n for n in named}
     assert named <= set(result["present"]), (
         f"{path.name}: not set: {sorted(named - set(result['present']))}")
-    # Every preset reproduces a simulated-host measurement.
-    assert result["values"].get("hosts") == "--hosts=simulated"
+    # Every preset reproduces a measurement on simulated hosts: directly,
+    # or (--hosts=slurm) on simulated Slurm nodes, which its comment names.
+    assert result["values"].get("hosts") in ("--hosts=simulated",
+                                             "--hosts=slurm")
+    if result["values"]["hosts"] == "--hosts=slurm":
+        assert "python -m tests.slurm_nodes" in path.read_text()
 
 
 @pytest.mark.parametrize("path", PRESET_FILES, ids=lambda p: p.name)
