@@ -71,6 +71,7 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
     for workers, *extra in runs:
         logdir, results = train(
             tmp_path, data, workers, *common, *extra,
+            f"--min_workers={workers}",
             logdir=tmp_path / f"{workers}_workers{''.join(extra)}")
         difference = max_relative_difference(expected,
                                              final_parameters(logdir))
@@ -79,10 +80,10 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
               f"parameter difference {difference:.3g}")
         assert difference <= 1e-5
         assert results["global_step"] == STEPS
-        assert results["local_steps"] == {str(k): STEPS
+        assert results["averaged_steps"] == {str(k): STEPS
                                           for k in range(workers)}
         assert results["dropped_gradients"] == 0
-    assert reference["local_steps"] == {"0": STEPS}
+    assert reference["averaged_steps"] == {"0": STEPS}
 
 
 def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
@@ -135,7 +136,7 @@ def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
     logdir = tmp_path / "mlp"
     start = time.monotonic()
     result = helpers.launch(logdir, data, 2, "--model=mlp", "--epochs=8",
-                            timeout=400)
+                            "--min_workers=2", timeout=400)
     wall = time.monotonic() - start
     assert result.returncode == 0, result.stdout[-3000:]
     assert "every task exited 0" in result.stdout
@@ -146,7 +147,7 @@ def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
           f"{results['images_per_sec']:.0f} images/s)")
     assert results["final_test_accuracy"] >= 0.97
     assert results["num_workers"] == 2 and results["num_ps"] == 1
-    assert results["local_steps"]["1"] == results["global_step"]
+    assert results["averaged_steps"]["1"] == results["global_step"]
     assert {"train/loss", "train/accuracy", "train/learning_rate",
             "perf/images_per_sec", "perf/step_time_ms",
             "sync/dropped_gradients", "eval/accuracy",
@@ -199,7 +200,7 @@ def test_ctrl_c_stops_every_task(tmp_path, fake_data):
     status, output = helpers.interrupt_launch(
         ["--num_workers=2", f"--logdir={tmp_path / 'logs'}",
          f"--data_dir={fake_data}", "--model=mlp",
-         "--train_steps=100000000"], when="worker 1 starts")
+         "--train_steps=100000000"], when="worker 1 joined")
     assert status == 130, output[-3000:]
     assert "interrupted: stopping every task" in output
     assert_all_gone(pids_started(output))
@@ -208,7 +209,8 @@ def test_ctrl_c_stops_every_task(tmp_path, fake_data):
 def test_backup_workers_use_the_first_replicas(tmp_path, fake_data):
     steps = 40
     logdir, results = train(tmp_path, fake_data, 3, "--model=mlp",
-                            "--backup_workers=1", f"--train_steps={steps}",
+                            "--backup_workers=1", "--min_workers=3",
+                            f"--train_steps={steps}",
                             "--batch_size=60", "--log_every=20")
     assert results["global_step"] == steps
     assert results["replicas_to_aggregate"] == 2
@@ -216,8 +218,8 @@ def test_backup_workers_use_the_first_replicas(tmp_path, fake_data):
     # still queued when training ended (at most one per backup worker...
     # or per worker that was mid-step).
     pushed = sum(results["pushed_gradients"].values())
-    # local_steps counts admissions on the ps: exactly R = 2 per step.
-    assert sum(results["local_steps"].values()) == 2 * steps
+    # averaged_steps counts admissions on the ps: exactly R = 2 per step.
+    assert sum(results["averaged_steps"].values()) == 2 * steps
     leftover = pushed - 2 * steps - results["dropped_gradients"]
     print(f"backup run: pushed {pushed}, dropped "
           f"{results['dropped_gradients']}, left over {leftover}")
@@ -270,6 +272,7 @@ def test_tasks_start_in_any_order_from_scripts_and_tf_config(tmp_path,
     assert statuses == [0, 0, 0], logs
     assert "cluster from TF_CONFIG" in logs["chief"]
     assert "cluster from flags" in logs["worker1"]
-    assert "worker 1 finished: 30 local steps" in logs["worker1"]
+    assert re.search(r"worker 1 finished: \d+ gradients pushed",
+                     logs["worker1"])
     results = json.loads((tmp_path / "logs" / "results.json").read_text())
     assert results["global_step"] == 30

@@ -15,8 +15,11 @@ import tensorflow as tf
 
 from tests import helpers
 from trainer.common import config as config_lib
-from trainer.sync import averaging as sync
 from trainer.common.errors import UserError
+from trainer.sync import averaging
+from trainer.sync import pull_turns
+from trainer.sync import state
+from trainer.sync import transport as transport_lib
 
 SHARDS = [5, 3]
 LEARNING_RATE = 0.5
@@ -35,15 +38,24 @@ def cluster():
 
 
 class Protocol:
-    """Averaging plus feedable pushes and reads, one update, and probes."""
+    """The rule, the transport and one update on an in-process cluster,
+    with feedable pushes, events and reads.
 
-    def __init__(self, target, num_workers, replicas,
-                 wire_dtype=tf.float32):
+    `plan(step)` starts a round (the chief's token back), `admit(step,
+    round)` waits for it, `apply(step)` averages the admitted rows,
+    applies them with plain SGD and advances the step.
+    """
+
+    def __init__(self, target, num_workers, backup_workers=0,
+                 wire_dtype=tf.float32, batch=64, slices="equal"):
         self.graph = tf.Graph()
         devices = ["/job:ps/task:0", "/job:ps/task:1"]
         with self.graph.as_default():
-            self.state = sync.Averaging(num_workers, replicas, SHARDS,
-                                        devices, wire_dtype)
+            self.shared = state.SharedState(num_workers, SHARDS, devices)
+            turns = pull_turns.PullTurns(num_workers, devices, False)
+            self.rule = averaging.Averaging(self.shared, batch, backup_workers,
+                                            slices, turns)
+            transport = transport_lib.Transport(self.shared, wire_dtype)
             self.params = []
             for i, n in enumerate(SHARDS):
                 with tf.device(devices[i]):
@@ -51,67 +63,96 @@ class Protocol:
                         f"params_{i}", [n], initializer=tf.zeros_initializer(),
                         use_resource=True))
             with tf.device(devices[0]):
-                self.read_step_in = tf.compat.v1.placeholder(
-                    tf.int64, [], "read_step")
-                read_step = tf.identity(self.read_step_in)
-            with tf.device("/job:worker/task:0"):
+                self.read_token_in = tf.compat.v1.placeholder(
+                    tf.int64, [4], "read_token")
                 self.step_in = tf.compat.v1.placeholder(tf.int64, [])
+                self.round_in = tf.compat.v1.placeholder(tf.int64, [])
+                self.kind_in = tf.compat.v1.placeholder(tf.int32, [])
+                self.worker_in = tf.compat.v1.placeholder(tf.int32, [])
+                read_token = tf.identity(self.read_token_in)
+            with tf.device("/job:worker/task:0"):
+                self.token_in = tf.compat.v1.placeholder(tf.int64, [4])
                 self.grads_in = [tf.compat.v1.placeholder(tf.float32, [n])
                                  for n in SHARDS]
                 self.stats_in = tf.compat.v1.placeholder(tf.float32, [3])
-                self.read_params = self.state.pull(read_step,
-                                                          self.params)
-            self.pushes = [self.state.push(k, self.step_in, self.grads_in,
-                                           self.stats_in)
+                self.read_params = transport.pull(
+                    read_token, self.params, [read_token] * 2)
+            self.pushes = [transport.push(k, self.token_in, self.grads_in,
+                                          self.stats_in)
                            for k in range(num_workers)]
             self.params_in = [tf.compat.v1.placeholder(tf.float32, [n])
                               for n in SHARDS]
             self.set_params = [p.assign(v, read_value=False)
                                for p, v in zip(self.params, self.params_in)]
-            with tf.device(devices[0]):
-                step = self.state.global_step.read_value()
-                mean, self.step_stats = self.state.average(
-                    self.state.admit(step))
-                optimizer = tf.compat.v1.train.GradientDescentOptimizer(
-                    LEARNING_RATE)
-                update = optimizer.apply_gradients(zip(mean, self.params))
-                self.next_step = self.state.count_and_advance(step, [update])
-                self.token_counts = [q.size() for q in self.state.tokens]
-                self.tokens = [self.state.next_token(k)
-                               for k in range(num_workers)]
+            self._chief_ops(devices[0], num_workers)
             init = tf.compat.v1.global_variables_initializer()
-            start = self.state.start_op()
         self.session = tf.compat.v1.Session(target, graph=self.graph)
         self.session.run(init)
-        self.session.run(start)
 
-    def push_feed(self, step, grads, stats):
-        feed = {self.step_in: step, self.stats_in: stats}
+    def _chief_ops(self, device, num_workers):
+        with tf.device(device):
+            self.planned = self.rule.plan(self.step_in)
+            self.verdict = self.rule.admit(self.step_in, self.round_in)
+            rows = tf.where(self.shared.admitted.read_value() > 0.5)[:, 0]
+            mean, self.step_stats = self.rule.average(rows)
+            optimizer = tf.compat.v1.train.GradientDescentOptimizer(
+                LEARNING_RATE)
+            update = optimizer.apply_gradients(zip(mean, self.params))
+            self.next_step = self.rule.count_and_advance(self.step_in,
+                                                         [update])
+            self.event = self.shared.send_event(self.kind_in, self.worker_in)
+            self.absorb = self.rule.absorb_queued()
+            self.token_counts = [q.size() for q in self.shared.tokens]
+            self.tokens = [self.shared.next_token(k)
+                           for k in range(num_workers)]
+            self.records = self.shared.take_membership()
+
+    def run(self, fetches, feed=None, timeout_secs=20.0):
+        return self.session.run(fetches, feed, options=tf.compat.v1.RunOptions(
+            timeout_in_ms=int(timeout_secs * 1000)))
+
+    def send(self, kind, worker):
+        self.run(self.event, {self.kind_in: kind, self.worker_in: worker})
+
+    def join(self, *workers):
+        for k in workers:
+            self.send(state.JOINED, k)
+        return self.run(self.absorb)
+
+    def plan(self, step):
+        return self.run(self.planned, {self.step_in: step})
+
+    def admit(self, token, timeout_secs=20.0):
+        """(complete, admitted rows) of the round of `token`."""
+        complete, rows = self.run(
+            [self.verdict.complete, self.verdict.rows],
+            {self.step_in: token[0], self.round_in: token[1]}, timeout_secs)
+        return bool(complete), sorted(rows.tolist())
+
+    def apply(self, step):
+        return self.run([self.next_step, self.step_stats],
+                        {self.step_in: step})
+
+    def push_feed(self, token, grads, stats):
+        feed = {self.token_in: token, self.stats_in: stats}
         feed.update(dict(zip(self.grads_in, grads)))
         return feed
 
-    def push(self, worker, step, grads, stats):
-        self.session.run(self.pushes[worker],
-                         self.push_feed(step, grads, stats))
+    def push(self, worker, token, grads, stats):
+        self.run(self.pushes[worker], self.push_feed(token, grads, stats))
 
     def set_values(self, values):
-        self.session.run(self.set_params, dict(zip(self.params_in, values)))
+        self.run(self.set_params, dict(zip(self.params_in, values)))
 
-    def read_on_worker(self, step):
-        """(step, shard values) as read_params gives them to the worker."""
-        return self.session.run(self.read_params, {self.read_step_in: step})
-
-    def update(self, timeout_secs=20):
-        options = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(timeout_secs * 1000))
-        return self.session.run([self.next_step, self.step_stats],
-                                options=options)
+    def read_on_worker(self, token):
+        """(token, shard values) as the pull gives them to the worker."""
+        return self.run(self.read_params, {self.read_token_in: token})
 
     def values(self):
-        return self.session.run(self.params)
+        return self.run(self.params)
 
     def read(self, tensor):
-        return self.session.run(tensor)
+        return self.run(tensor)
 
 
 def random_push(rng, examples):
@@ -121,90 +162,184 @@ def random_push(rng, examples):
     return grads, stats
 
 
-def test_update_is_the_example_weighted_mean_of_every_worker(cluster):
-    rng = np.random.default_rng(0)
-    protocol = Protocol(cluster, num_workers=3, replicas=3)
-    protocol.read(protocol.tokens[1:])  # the start tokens (step 0)
-    pushes = [random_push(rng, n) for n in (22, 21, 21)]
-    for k, (grads, stats) in enumerate(pushes):
-        protocol.push(k, 0, grads, stats)
-    next_step, stats = protocol.update()
-    assert next_step == 1
-    np.testing.assert_allclose(stats, sum(p[1] for p in pushes), rtol=1e-6)
+def push_all(protocol, rng, tokens: dict) -> dict:
+    """Worker k pushes a random gradient for tokens[k], with its slice's
+    example count; returns {k: (grads, stats)}."""
+    pushes = {}
+    for k, token in tokens.items():
+        pushes[k] = random_push(rng, int(token[3] - token[2]))
+        protocol.push(k, token, *pushes[k])
+    return pushes
+
+
+def round_tokens(protocol, step, workers) -> dict:
+    """Plans a round of `step` and returns every member's token."""
+    tokens = {0: protocol.plan(step)}
+    for k in workers:
+        tokens[k] = protocol.read(protocol.tokens[k])
+    return tokens
+
+
+def assert_mean_applied(protocol, before, pushes, examples=64):
     for shard, value in enumerate(protocol.values()):
-        expected = -LEARNING_RATE * sum(p[0][shard] for p in pushes) / 64
-        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7)
-    # Every other worker got exactly one token, for step 1.
-    assert protocol.read(protocol.token_counts[1:]) == [1, 1]
-    assert protocol.read(protocol.tokens[1:]) == [1, 1]
-    assert protocol.read(protocol.state.dropped) == 0
+        expected = before[shard] - LEARNING_RATE * sum(
+            p[0][shard] for p in pushes) / examples
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_no_update_until_every_replica_has_arrived(cluster):
-    rng = np.random.default_rng(1)
-    protocol = Protocol(cluster, num_workers=2, replicas=2)
-    protocol.push(0, 0, *random_push(rng, 32))
-    with pytest.raises(tf.errors.DeadlineExceededError):
-        protocol.update(timeout_secs=1.0)
-    np.testing.assert_array_equal(protocol.values()[0], np.zeros(5))
-    # The admission survived the cancelled attempt: worker 1 completes it.
-    grads, stats = random_push(rng, 32)
-    protocol.push(1, 0, grads, stats)
-    assert protocol.update()[0] == 1
-
-
-def test_a_worker_is_admitted_once_per_step(cluster):
-    rng = np.random.default_rng(2)
-    protocol = Protocol(cluster, num_workers=2, replicas=2)
-    first, second, chief = (random_push(rng, 32), random_push(rng, 32),
-                            random_push(rng, 32))
-    protocol.push(1, 0, *first)
-    protocol.push(1, 0, *second)  # a restarted worker 1 redoes step 0
-    protocol.push(0, 0, *chief)
-    next_step, stats = protocol.update()
+def test_a_step_averages_every_member_weighted_by_its_slice(cluster):
+    rng = np.random.default_rng(0)
+    protocol = Protocol(cluster, num_workers=3)
+    np.testing.assert_array_equal(protocol.join(1, 2), [1, 1, 1])
+    tokens = round_tokens(protocol, 0, [1, 2])
+    # Equal slices cover the global batch once, in worker order.
+    assert [tuple(t[2:]) for t in tokens.values()] == [(0, 22), (22, 43),
+                                                       (43, 64)]
+    assert len({int(t[1]) for t in tokens.values()}) == 1  # one round
+    pushes = push_all(protocol, rng, tokens)
+    assert protocol.admit(tokens[0]) == (True, [0, 1, 2])
+    next_step, stats = protocol.apply(0)
     assert next_step == 1
-    assert stats[0] == 64  # two workers' examples, not three
-    expected = -LEARNING_RATE * (second[0][0] + chief[0][0]) / 64
-    np.testing.assert_allclose(protocol.values()[0], expected, rtol=1e-5,
-                               atol=1e-7)
-    assert protocol.read(protocol.state.dropped) == 0
+    np.testing.assert_allclose(stats, sum(p[1] for p in pushes.values()),
+                               rtol=1e-6)
+    assert_mean_applied(protocol, [np.zeros(n) for n in SHARDS],
+                        pushes.values())
+    assert protocol.read(protocol.shared.dropped) == 0
+    steps, kinds, workers, members = protocol.read(protocol.records)
+    assert kinds.tolist() == [state.JOINED] * 2
+    assert workers.tolist() == [1, 2] and members.tolist() == [2, 3]
 
 
-def test_backup_workers_first_replicas_win_and_late_ones_are_dropped(
-        cluster):
+def test_no_step_until_every_member_has_pushed(cluster):
+    rng = np.random.default_rng(1)
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
+    tokens = round_tokens(protocol, 0, [1])
+    protocol.push(0, tokens[0], *random_push(rng, 32))
+    with pytest.raises(tf.errors.DeadlineExceededError):
+        protocol.admit(tokens[0], timeout_secs=1.0)
+    # The admission survived the cancelled attempt: worker 1 completes it.
+    protocol.push(1, tokens[1], *random_push(rng, 32))
+    assert protocol.admit(tokens[0]) == (True, [0, 1])
+
+
+def test_pushes_for_another_step_or_round_are_dropped_and_counted(cluster):
+    rng = np.random.default_rng(2)
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
+    old = round_tokens(protocol, 0, [1])
+    new = round_tokens(protocol, 0, [1])      # the same step, planned again
+    protocol.push(1, old[1], *random_push(rng, 32))   # the old round's
+    stale_step = np.array([5, new[1][1], 0, 32])
+    protocol.push(1, stale_step, *random_push(rng, 32))
+    pushes = push_all(protocol, rng, new)
+    assert protocol.admit(new[0]) == (True, [0, 1])
+    protocol.apply(0)
+    assert protocol.read(protocol.shared.dropped) == 2
+    assert_mean_applied(protocol, [np.zeros(n) for n in SHARDS],
+                        pushes.values())
+
+
+def test_a_member_lost_before_pushing_ends_the_round_unfinished(cluster):
+    """Its examples are planned again among the others: the step still
+    averages the whole batch."""
     rng = np.random.default_rng(3)
-    protocol = Protocol(cluster, num_workers=3, replicas=2)
-    w2, w0, late = (random_push(rng, 21), random_push(rng, 22),
-                    random_push(rng, 21))
-    protocol.push(2, 0, *w2)
-    protocol.push(0, 0, *w0)
-    next_step, stats = protocol.update()
-    assert next_step == 1 and stats[0] == 43
-    after_step0 = protocol.values()
-    np.testing.assert_allclose(
-        after_step0[1], -LEARNING_RATE * (w2[0][1] + w0[0][1]) / 43,
-        rtol=1e-5, atol=1e-7)
-    protocol.push(1, 0, *late)  # worker 1's gradient for step 0, too late
-    a, b = random_push(rng, 22), random_push(rng, 21)
-    protocol.push(0, 1, *a)
-    protocol.push(1, 1, *b)
-    assert protocol.update()[0] == 2
-    assert protocol.read(protocol.state.dropped) == 1
-    np.testing.assert_allclose(
-        protocol.values()[0],
-        after_step0[0] - LEARNING_RATE * (a[0][0] + b[0][0]) / 43,
-        rtol=1e-5, atol=1e-6)
+    protocol = Protocol(cluster, num_workers=3)
+    protocol.join(1, 2)
+    first = round_tokens(protocol, 0, [1, 2])
+    push_all(protocol, rng, {0: first[0], 2: first[2]})
+    protocol.send(state.LOST, 1)
+    assert protocol.admit(first[0]) == (False, [0, 2])
+    np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
+                                  [1, 0, 1])
+    second = round_tokens(protocol, 0, [2])
+    assert protocol.read(protocol.token_counts[1]) == 0  # not planned in
+    assert [tuple(t[2:]) for t in second.values()] == [(0, 32), (32, 64)]
+    pushes = push_all(protocol, rng, second)
+    assert protocol.admit(second[0]) == (True, [0, 2])
+    next_step, stats = protocol.apply(0)
+    assert next_step == 1 and stats[0] == 64
+    assert_mean_applied(protocol, [np.zeros(n) for n in SHARDS],
+                        pushes.values())
+    _, kinds, workers, members = protocol.read(protocol.records)
+    assert list(zip(kinds, workers, members))[-1] == (state.LOST, 1, 2)
+
+
+def test_a_push_from_a_worker_given_up_on_brings_it_back(cluster):
+    rng = np.random.default_rng(4)
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
+    first = round_tokens(protocol, 0, [1])
+    protocol.push(0, first[0], *random_push(rng, 32))
+    protocol.send(state.LOST, 1)
+    assert protocol.admit(first[0]) == (False, [0])
+    second = {0: protocol.plan(0)}
+    protocol.push(1, first[1], *random_push(rng, 32))  # late, alive after all
+    protocol.push(0, second[0], *random_push(rng, 64))
+    assert protocol.admit(second[0]) == (True, [0])
+    assert protocol.read(protocol.shared.dropped) == 1
+    np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
+                                  [1, 1])
+    _, kinds, workers, _ = protocol.read(protocol.records)
+    assert kinds.tolist()[-2:] == [state.LOST, state.JOINED]
+
+
+def test_a_member_leaving_after_its_push_still_counts(cluster):
+    rng = np.random.default_rng(5)
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
+    tokens = round_tokens(protocol, 0, [1])
+    protocol.push(1, tokens[1], *random_push(rng, 32))
+    protocol.send(state.LEAVING, 1)
+    protocol.push(0, tokens[0], *random_push(rng, 32))
+    assert protocol.admit(tokens[0]) == (True, [0, 1])
+    np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
+                                  [1, 0])
+
+
+def test_a_member_that_joins_again_was_restarted(cluster):
+    """Its old self will never push: the round ends unfinished, and the
+    next plan includes the new one."""
+    rng = np.random.default_rng(6)
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
+    tokens = round_tokens(protocol, 0, [1])
+    protocol.push(0, tokens[0], *random_push(rng, 32))
+    protocol.send(state.JOINED, 1)
+    assert protocol.admit(tokens[0]) == (False, [0])
+    again = round_tokens(protocol, 0, [1])
+    assert tuple(again[1][2:]) == (32, 64)
+
+
+def test_backup_workers_first_members_win_and_late_ones_are_dropped(
+        cluster):
+    rng = np.random.default_rng(7)
+    protocol = Protocol(cluster, num_workers=3, backup_workers=1, batch=63)
+    protocol.join(1, 2)
+    tokens = round_tokens(protocol, 0, [1, 2])
+    w2 = random_push(rng, 21)
+    w0 = random_push(rng, 21)
+    protocol.push(2, tokens[2], *w2)
+    protocol.push(0, tokens[0], *w0)
+    assert protocol.admit(tokens[0]) == (True, [0, 2])
+    next_step, stats = protocol.apply(0)
+    assert next_step == 1 and stats[0] == 42   # the examples averaged
+    assert_mean_applied(protocol, [np.zeros(n) for n in SHARDS], [w2, w0],
+                        examples=42)
+    protocol.push(1, tokens[1], *random_push(rng, 21))  # too late
+    later = round_tokens(protocol, 1, [1, 2])
+    push_all(protocol, rng, {0: later[0], 1: later[1]})
+    assert protocol.admit(later[0]) == (True, [0, 1])
+    assert protocol.read(protocol.shared.dropped) == 1
 
 
 def test_a_worker_that_fell_behind_skips_to_the_newest_token(cluster):
-    protocol = Protocol(cluster, num_workers=2, replicas=1)
-    rng = np.random.default_rng(4)
-    # Worker 0 alone advances three steps; worker 1 never pushes.
+    protocol = Protocol(cluster, num_workers=2)
+    protocol.join(1)
     for step in range(3):
-        protocol.push(0, step, *random_push(rng, 32))
-        protocol.update()
-    assert protocol.read(protocol.token_counts[1]) == 4  # start + 3 steps
-    assert protocol.read(protocol.tokens[1]) == 3
+        protocol.plan(step)
+    assert protocol.read(protocol.token_counts[1]) == 3
+    assert protocol.read(protocol.tokens[1])[0] == 2
     assert protocol.read(protocol.token_counts[1]) == 0
 
 
@@ -233,24 +368,28 @@ def test_round_like_wire_rounds_ties_to_even():
 
 
 @pytest.mark.parametrize("dtype", [tf.bfloat16, tf.float16])
-def test_16_bit_wire_rounds_values_and_keeps_step_and_stats_exact(
+def test_16_bit_wire_rounds_values_and_keeps_token_and_stats_exact(
         cluster, dtype):
     rng = np.random.default_rng(5)
-    protocol = Protocol(cluster, num_workers=2, replicas=2, wire_dtype=dtype)
+    protocol = Protocol(cluster, num_workers=2, wire_dtype=dtype, batch=63)
     params = [rng.normal(size=n).astype(np.float32) for n in SHARDS]
     protocol.set_values(params)
-    step, values = protocol.read_on_worker(NAN_CHUNKS_STEP)
-    assert step == NAN_CHUNKS_STEP
+    odd_token = np.array([NAN_CHUNKS_STEP, 7, 3, NAN_CHUNKS_STEP], np.int64)
+    token, values = protocol.read_on_worker(odd_token)
+    np.testing.assert_array_equal(token, odd_token)
     for value, exact in zip(values, params):
         assert not np.array_equal(round_like_wire(exact, dtype), exact)
         np.testing.assert_array_equal(value, round_like_wire(exact, dtype))
+    protocol.join(1)
+    tokens = round_tokens(protocol, 0, [1])
     pushes = [random_push(rng, n) for n in (32, 31)]
     pushes[1][1][1] = NAN_LOW_HALF
     for k, (grads, stats) in enumerate(pushes):
-        protocol.push(k, 0, grads, stats)
-    next_step, step_stats = protocol.update()
+        protocol.push(k, tokens[k], grads, stats)
+    assert protocol.admit(tokens[0])[0]
+    next_step, step_stats = protocol.apply(0)
     assert next_step == 1
-    rows = protocol.read(protocol.state.stats)
+    rows = protocol.read(protocol.shared.stats)
     np.testing.assert_array_equal(rows.view(np.uint32),
                                   np.stack([p[1] for p in pushes]).view(
                                       np.uint32))
@@ -259,7 +398,7 @@ def test_16_bit_wire_rounds_values_and_keeps_step_and_stats_exact(
         received = [round_like_wire(p[0][shard], dtype) for p in pushes]
         # The ps holds exactly the rounded gradient, in float32...
         np.testing.assert_array_equal(
-            protocol.read(protocol.state.grads[shard]), received)
+            protocol.read(protocol.shared.grads[shard]), received)
         # ...and applies their float32 mean to its float32 parameters.
         expected = params[shard] - LEARNING_RATE * sum(received) / 63
         np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1e-7)
@@ -268,7 +407,7 @@ def test_16_bit_wire_rounds_values_and_keeps_step_and_stats_exact(
 # A fed tensor enters the graph on the client's task (worker 0) and travels
 # to its placeholder's device from there: the step fed for read_params
 # (on ps 0) is such a transfer of the test, not of the protocol.
-_FEED = re.compile(r"_recv_read_step")
+_FEED = re.compile(r"_recv_read_token")
 
 
 def _bytes_between_tasks(run_metadata) -> dict:
@@ -306,16 +445,18 @@ def _cross_task_send_dtypes(run_metadata) -> set:
 @pytest.mark.parametrize("dtype,width", [(tf.float32, 4), (tf.bfloat16, 2),
                                          (tf.float16, 2)])
 def test_bytes_crossing_between_ps_and_worker(cluster, dtype, width):
-    protocol = Protocol(cluster, num_workers=1, replicas=1, wire_dtype=dtype)
-    feed = protocol.push_feed(7, [np.ones(n, np.float32) for n in SHARDS],
+    protocol = Protocol(cluster, num_workers=1, wire_dtype=dtype)
+    token = np.array([7, 1, 0, 64], np.int64)
+    feed = protocol.push_feed(token, [np.ones(n, np.float32)
+                                      for n in SHARDS],
                               np.ones(3, np.float32))
-    feed[protocol.read_step_in] = 7
-    # Parameters out (shard 0 with the 8-byte step), gradients back (shard
-    # 0 with the step and three float32 stats): nothing else but 0-byte
-    # control messages crosses.
+    feed[protocol.read_token_in] = token
+    # Parameters out (shard 0 with the 32-byte token), gradients back
+    # (shard 0 with the token and three float32 stats): nothing else but
+    # 0-byte control messages crosses.
     expected = {
-        ("ps0", "worker0"): [5 * width + 8], ("ps1", "worker0"): [3 * width],
-        ("worker0", "ps0"): [5 * width + 8 + 12],
+        ("ps0", "worker0"): [5 * width + 32], ("ps1", "worker0"): [3 * width],
+        ("worker0", "ps0"): [5 * width + 32 + 12],
         ("worker0", "ps1"): [3 * width]}
     # The trace's record of a transfer can come too late for its step's
     # statistics (seen about one run in ten on a loaded machine), so a run
@@ -339,45 +480,44 @@ def test_bytes_crossing_between_ps_and_worker(cluster, dtype, width):
 @pytest.mark.parametrize("bad", [tf.int8, "float64", "bf16"])
 def test_other_wire_dtypes_are_refused(bad):
     with tf.Graph().as_default(), pytest.raises(UserError, match="bfloat16"):
-        sync.Averaging(1, 1, SHARDS, ["/job:ps/task:0"] * 2, bad)
+        transport_lib.Transport(None, bad)
 
 
 # --- Ordered pulls: shard s goes to workers s, s + 1, ... (mod N) in turn.
 
 
-class PullTurns:
-    """The turn ops of Averaging(ordered_pulls=True) for 3 workers and the
-    2 shards, fed with the step: `waits[k][s]` is worker k's wait for
-    shard s, `passes[k]` hands on every turn worker k holds."""
+class Turns:
+    """The turn ops of ordered pulls for 3 workers and the 2 shards, fed
+    with the step: `waits[k][s]` is worker k's wait for shard s,
+    `passes[k]` hands on every turn worker k holds, `cover` gives turns
+    to members whose predecessor is out (members fed)."""
 
     def __init__(self, target, num_workers=3):
         self.graph = tf.Graph()
         devices = ["/job:ps/task:0", "/job:ps/task:1"]
         with self.graph.as_default():
-            self.state = sync.Averaging(num_workers, num_workers, SHARDS,
-                                        devices, ordered_pulls=True)
-            turns = self.state.pull_turns
+            turns = pull_turns.PullTurns(num_workers, devices, ordered=True)
             with tf.device(devices[0]):
                 self.step_in = tf.compat.v1.placeholder(tf.int64, [])
+                self.members_in = tf.compat.v1.placeholder(tf.float32,
+                                                           [num_workers])
             with tf.device("/job:worker/task:0"):
                 received = tf.identity(self.step_in)  # "its parameters"
             self.waits = [turns.wait(k, self.step_in)
                           for k in range(num_workers)]
             self.passes = [turns.pass_on(k, self.step_in, [received] * 2)
                            for k in range(num_workers)]
-            self.resyncs = [self.state.resync_step(k)
-                            for k in range(num_workers)]
+            self.cover = turns.cover_absent(self.step_in, self.members_in)
             self.queued = tf.add_n([q.size() for q in turns.queues.values()])
-            self.start = self.state.start_op()
-            init = tf.compat.v1.global_variables_initializer()
+            self.start = turns.release_all()
         self.session = tf.compat.v1.Session(target, graph=self.graph)
-        self.session.run(init)
 
-    def run(self, fetch, step=None, timeout_secs=20.0):
-        return self.session.run(
-            fetch, {self.step_in: step} if step is not None else None,
-            options=tf.compat.v1.RunOptions(
-                timeout_in_ms=int(timeout_secs * 1000)))
+    def run(self, fetch, step=None, timeout_secs=20.0, members=None):
+        feed = {self.step_in: step} if step is not None else {}
+        if members is not None:
+            feed[self.members_in] = members
+        return self.session.run(fetch, feed, options=tf.compat.v1.RunOptions(
+            timeout_in_ms=int(timeout_secs * 1000)))
 
     def blocks(self, worker, shard, step):
         with pytest.raises(tf.errors.DeadlineExceededError):
@@ -386,7 +526,7 @@ class PullTurns:
 
 
 def test_ordered_pulls_wait_for_the_previous_worker(cluster):
-    turns = PullTurns(cluster)
+    turns = Turns(cluster)
     # The first of each order never waits: worker 0 for shard 0, 1 for 1.
     assert turns.run(turns.waits[0][0], step=0) == 0
     assert turns.run(turns.waits[1][1], step=0) == 0
@@ -402,22 +542,25 @@ def test_ordered_pulls_wait_for_the_previous_worker(cluster):
     assert turns.run(turns.queued) == 0
 
 
-def test_a_stale_turn_is_skipped_and_a_restart_takes_its_own(cluster):
-    turns = PullTurns(cluster)
+def test_a_stale_turn_is_skipped_and_an_absent_predecessor_covered(cluster):
+    turns = Turns(cluster)
     turns.run(turns.passes[0], step=4)  # a turn worker 1 never took
     assert turns.blocks(1, 0, step=5)
     assert turns.run(turns.queued) == 0  # the stale turn is gone
     turns.run(turns.passes[0], step=5)
     assert turns.run(turns.waits[1][0], step=5) == 5
-    # Worker 2 restarts at global step 0: it need not wait for worker 1.
-    assert turns.run(turns.resyncs[2]) == 0
-    assert turns.run(turns.waits[2], step=0, timeout_secs=5.0) == [0, 0]
+    # Worker 1 is out of the round: the plan gives worker 2 the turns
+    # worker 1 would have passed (shards 0 and 1), and nobody else any.
+    turns.run(turns.cover, step=6, members=[1, 0, 1])
+    assert turns.run(turns.queued) == 2
+    assert turns.run(turns.waits[2], step=6, timeout_secs=5.0) == [6, 6]
+    assert turns.run(turns.queued) == 0
 
 
 def test_a_restarted_chief_releases_workers_waiting_for_a_turn(cluster):
     """Workers wait for turns for step 9 that the old chief's run never
     passed; the new chief restored step 5 and starts from there."""
-    turns = PullTurns(cluster)
+    turns = Turns(cluster)
     turns.run(turns.passes[0], step=5)  # stale by the time worker 1 waits
     assert turns.blocks(1, 0, step=9)
     turns.run(turns.start)

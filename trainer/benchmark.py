@@ -71,8 +71,11 @@ flags.DEFINE_enum("hosts", "local", ["local", "simulated", "slurm"],
 flags.DEFINE_integer("slurm_tasks_per_node", 1, "With --hosts=slurm: tasks "
                      "of a ps run on each node (1: every ps task and "
                      "worker on a node of its own).")
-flags.DEFINE_float("host_cpu", 0.3, "With --hosts=simulated: cores of each "
-                   "worker host and of the single-process host.")
+flags.DEFINE_list("host_cpu", ["0.3"], "With --hosts=simulated: cores of "
+                  "each worker host and of the single-process host; or a "
+                  "list, one value per worker host in worker order "
+                  "(0.3,0.3,0.15,0.15), the first also for the "
+                  "single-process host.")
 flags.DEFINE_float("ps_cpu", None, "With --hosts=simulated: cores of each "
                    "ps host (default: --host_cpu).")
 flags.DEFINE_string("link_rate", "1gbit", "With --hosts=simulated: each "
@@ -129,10 +132,30 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
                         f"worker k: --num_ps={FLAGS.num_ps} needs at least "
                         f"that many workers in every run of --workers")
     hosts_lib.parse_rate(FLAGS.link_rate)
+    cpus = _host_cpus(max(worker_counts))
     hosts_lib.check_available()
     return worker_counts, simulated.HostSettings(
-        FLAGS.host_cpu, FLAGS.ps_cpu or FLAGS.host_cpu, FLAGS.link_rate,
-        FLAGS.ps_placement, FLAGS.straggler)
+        cpus[0], FLAGS.ps_cpu or cpus[0], FLAGS.link_rate,
+        FLAGS.ps_placement, FLAGS.straggler,
+        tuple(cpus) if len(cpus) > 1 else ())
+
+
+def _host_cpus(most_workers: int) -> list[float]:
+    """--host_cpu as numbers: one for every host, or one per worker host
+    (at least as many as the largest run has workers)."""
+    try:
+        cpus = [float(v) for v in FLAGS.host_cpu]
+    except ValueError:
+        cpus = []
+    if not cpus or min(cpus) <= 0:
+        raise UserError(f"--host_cpu={','.join(FLAGS.host_cpu)} must be "
+                        "cores (0.3), or one value per worker host "
+                        "(0.3,0.3,0.15,0.15)")
+    if 1 < len(cpus) < most_workers:
+        raise UserError(f"--host_cpu has {len(cpus)} values for runs of up "
+                        f"to {most_workers} workers; give one value, or one "
+                        "per worker host")
+    return cpus
 
 
 def _check_slurm(worker_counts: list[int]) -> slurm_steps.StepSettings:
@@ -215,7 +238,8 @@ def main(argv) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     train_flags = trainer_flags.forwarded_flags(
-        exclude=("logdir", "checkpoint_every", "intra_op_threads"))
+        exclude=("logdir", "checkpoint_every", "intra_op_threads",
+                 "min_workers"))
     train_flags.append(f"--checkpoint_every={runs_lib.NO_CHECKPOINTS}")
     sim = hosts if isinstance(hosts, simulated.HostSettings) else None
     steps = hosts if isinstance(hosts, slurm_steps.StepSettings) else None

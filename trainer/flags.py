@@ -78,6 +78,15 @@ flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "
                      "uses the first N - b gradients and drops late ones.")
+flags.DEFINE_integer("min_workers", 1,
+                     "The chief trains once this many workers (itself "
+                     "included) are in, and stops the run, after a "
+                     "checkpoint, when fewer are left. Others join and "
+                     "leave at step boundaries.")
+flags.DEFINE_string("slices", "balanced",
+                    "How the chief cuts each global batch among the "
+                    "workers that are in: balanced (by each worker's "
+                    "measured examples per second) or equal.")
 
 # --- Data ---
 flags.DEFINE_string("data_dir", None,
@@ -111,8 +120,9 @@ flags.DEFINE_float("startup_timeout_secs", 120,
                    "How long to wait for the ps tasks and the chief, at "
                    "start and after losing a ps.")
 flags.DEFINE_float("worker_timeout_secs", 120,
-                   "How long the chief waits for a missing worker's "
-                   "gradient before it checkpoints and stops the run.")
+                   "How long the chief waits for a worker's gradient "
+                   "before it counts the worker as gone and hands its "
+                   "examples to the others.")
 flags.DEFINE_string("trace_steps", None,
                     "FIRST:END: record global steps [FIRST, END) with "
                     "TensorFlow's full trace on every worker; writes a "
@@ -192,6 +202,7 @@ def config_from_flags() -> TrainConfig:
         checkpoint_every=FLAGS.checkpoint_every,
         keep_checkpoints=FLAGS.keep_checkpoints,
         backup_workers=FLAGS.backup_workers,
+        min_workers=FLAGS.min_workers, slices=FLAGS.slices,
         intra_op_threads=FLAGS.intra_op_threads,
         inter_op_threads=FLAGS.inter_op_threads,
         startup_timeout_secs=FLAGS.startup_timeout_secs,

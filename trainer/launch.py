@@ -2,10 +2,11 @@
 
 Starts --num_ps ps tasks and --num_workers workers as separate OS processes
 of `python -m trainer.main` on free loopback ports (trainer/cluster/local.py),
-prefixes their output with the task's name, and stops them all when one
-fails or on Ctrl-C. The exit status is the run's: 0 when every task exited
-0, else that of the first task that failed. Every trainer flag given here
-is passed on.
+prefixes their output with the task's name. A failed worker other than
+the chief is left behind or started again (--worker_restarts); the chief
+or a ps failing, or Ctrl-C, stops them all. The exit status is the run's:
+0 when the chief and the ps tasks exited 0, else that of the first of them
+that failed. Every trainer flag given here is passed on.
 """
 
 import signal
@@ -25,6 +26,11 @@ flags.DEFINE_string("report", None,
 flags.DEFINE_float("exit_grace_secs", 30,
                    "After the workers finish, how long the ps tasks may "
                    "take to exit before they are killed.")
+
+flags.DEFINE_integer("worker_restarts", 0,
+                     "How often a worker other than the chief that fails is "
+                     "started again, so that it joins the run again; with "
+                     "0 the run goes on without it.", lower_bound=0)
 
 FLAGS = flags.FLAGS
 
@@ -54,7 +60,7 @@ def main(argv) -> int:
     return launcher.launch(
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
-        FLAGS.exit_grace_secs, FLAGS.report)
+        FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts)
 
 
 def run_main():

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 # TensorFlow's C++ runtime logs a spurious "failed call to cuInit" error on
 # CPU-only machines and much else; its real errors reach us as exceptions.
@@ -48,15 +49,31 @@ def main(argv) -> int:
         except BaseException as e:  # handed to the main thread
             outcome["error"] = e
 
-    signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
+    # SIGTERM (Slurm, Kubernetes, spot instances) is a request to leave: a
+    # worker tells the chief and exits; the chief saves at the next step
+    # boundary and stops every task first (trainer/roles/run.py).
+    terminated = []
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     thread = threading.Thread(target=train_to_the_end, name="train",
                               daemon=True)
     thread.start()
+    deadline = None
     try:
         while thread.is_alive():
             thread.join(0.2)
+            if terminated and deadline is None:
+                grace = train.terminate()
+                if not grace:
+                    _exit_now("terminated", 143)
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                _exit_now("terminated; the chief did not stop in time", 143)
     except KeyboardInterrupt:
         _exit_now("interrupted", 130)
+    if terminated:
+        if "error" in outcome:
+            logging.error("%s", outcome["error"])
+        _exit_now("terminated", 143)
     error = outcome.get("error")
     if error is None:
         return 0

@@ -125,12 +125,11 @@ def check(samples: dict, results: dict, status: int, train_steps: int,
     if results.get("dropped_gradients", 1) != 0:
         failures.append(f"{results.get('dropped_gradients')} gradients "
                         "dropped")
-    wrong = {k: v for k, v in results.get("local_steps", {}).items()
-             if v != train_steps}
-    if wrong or len(results.get("local_steps", {})) != results.get(
-            "num_workers"):
-        failures.append(f"local step counts differ from {train_steps}: "
-                        f"{results.get('local_steps')}")
+    averaged = results.get("averaged_steps", {})
+    wrong = {k: v for k, v in averaged.items() if v != train_steps}
+    if wrong or len(averaged) != results.get("num_workers"):
+        failures.append(f"averaged step counts differ from {train_steps}: "
+                        f"{averaged}")
     return rows, failures
 
 
@@ -169,7 +168,7 @@ def main(argv) -> int:
                f"--num_workers={FLAGS.num_workers}",
                f"--model={FLAGS.model if FLAGS['model'].present else 'mlp'}",
                f"--train_steps={train_steps}", f"--logdir={out / 'run'}",
-               *args]
+               f"--min_workers={FLAGS.num_workers}", *args]
     logging.info("soak: %s", " ".join(command[1:]))
     start = time.monotonic()
     status, sampler = _run_launcher(command, out / "launch.log")
@@ -180,7 +179,7 @@ def main(argv) -> int:
                            FLAGS.warmup_steps, FLAGS.max_growth)
     report = {"command": " ".join(command[1:]), "exit_status": status,
               "wall_secs": time.monotonic() - start, "tasks": rows,
-              "local_steps": results.get("local_steps"),
+              "averaged_steps": results.get("averaged_steps"),
               "dropped_gradients": results.get("dropped_gradients"),
               "global_step": results.get("global_step"),
               "failures": failures,
@@ -193,8 +192,8 @@ def main(argv) -> int:
     lines += [f"| {row['task']} | {row['rss_at_warmup_mb']:.0f} | "
               f"{row['peak_after_mb']:.0f} | {100 * row['growth']:+.1f}% |"
               for row in rows]
-    lines.append(f"\nglobal step {results.get('global_step')}, local steps "
-                 f"{results.get('local_steps')}, dropped gradients "
+    lines.append(f"\nglobal step {results.get('global_step')}, averaged "
+                 f"steps {results.get('averaged_steps')}, dropped gradients "
                  f"{results.get('dropped_gradients')}, exit status {status}, "
                  f"{report['wall_secs']:.0f} s")
     lines += [f"FAILED: {failure}" for failure in failures]

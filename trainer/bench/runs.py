@@ -202,7 +202,10 @@ def run_ps(s: Settings, workers: int, name: str, label: str) -> Run:
     process = popen("launcher", ["-m", "trainer.launch",
                                  f"--num_workers={workers}",
                                  f"--num_ps={s.num_ps}", f"--logdir={logdir}",
-                                 f"--report={report}", *s.train_flags])
+                                 f"--report={report}", *s.train_flags,
+                                 # It measures N workers: all in from the
+                                 # first step.
+                                 f"--min_workers={workers}"])
     (status,) = stream([process], label, s.timeout)
     if status != 0:
         raise RunFailed(f"{label} failed with status {status}")

@@ -127,7 +127,8 @@ def run_ps_as_step(s: runs_lib.Settings, workers: int, name: str,
     argv = srun_argv(steps, tasks, name) + [
         sys.executable, "-m", "trainer.main", "--cluster=slurm",
         f"--num_ps={s.num_ps}", f"--slurm_base_port={steps.base_port}",
-        *s.train_flags, f"--logdir={logdir}"]
+        *s.train_flags, f"--logdir={logdir}",
+        f"--min_workers={workers}"]  # all in from the first step
     status = _run_step(s, argv, name, label)
     if status != 0:
         raise RunFailed(f"{label} failed: its job step exited with status "

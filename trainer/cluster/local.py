@@ -1,16 +1,21 @@
 """A whole cluster as OS processes on this machine (the local launcher).
 
 Starts ps tasks and workers as separate processes of `python -m
-trainer.main` on free loopback ports, prefixes their output with the
-task's name, and stops them all when one fails or on Ctrl-C. The exit
-status is the run's: 0 when every task exited 0, else that of the first
-task that failed. `trainer.launch` is its command line.
+trainer.main` on free loopback ports and prefixes their output with the
+task's name. A worker other than the chief that fails does not end the
+run: the chief hands its examples to the others, and the launcher starts
+it again (up to --worker_restarts times) so that it joins again. The
+chief or a ps failing stops every task; so does Ctrl-C, which first asks
+the chief to save a checkpoint where it is. The exit status is the run's:
+0 when the chief and the ps tasks exited 0, else that of the first of
+them that failed. `trainer.launch` is its command line.
 """
 
 import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +35,7 @@ _NOISE = re.compile(
     r"computation placer already registered|TF-TRT Warning|"
     r"cuda_executor|cudart_stub)")
 _STOP_SIGNAL_GRACE_SECS = 5.0
+_CHIEF_STOP_SECS = 30.0     # Ctrl-C: how long the chief may take to save
 SECURITY_NOTICE = (
     "security: TensorFlow servers listen on all network interfaces and run "
     "any graph sent to them, with no authentication or encryption; use "
@@ -113,12 +119,14 @@ def start_task(job: str, index: int, argv: list[str],
 
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
            worker_flags: list[str], exit_grace_secs: float,
-           report: str | None = None) -> int:
+           report: str | None = None, worker_restarts: int = 0) -> int:
     """Runs the cluster to the end; returns the exit status of the run.
 
     Args:
       extra: trainer flags for every task.
       worker_flags: further flags for the workers only (thread counts).
+      worker_restarts: how often a failed worker (not the chief) is
+        started again.
     """
     ports = free_ports(host, num_ps + num_workers)
     ps_hosts = ",".join(f"{host}:{p}" for p in ports[:num_ps])
@@ -140,10 +148,12 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
                 tasks.append(start_task(job, i, argv(job, i), env))
-        status = _supervise(tasks, exit_grace_secs)
+        restart = _Restarts(worker_restarts, lambda job, i: start_task(
+            job, i, argv(job, i), env))
+        status = _supervise(tasks, exit_grace_secs, restart)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
-        processes.stop_all(tasks, _STOP_SIGNAL_GRACE_SECS)
+        _stop_chief_first(tasks)
         status = 130
     if report:
         with open(report, "w") as f:
@@ -152,16 +162,57 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     return status
 
 
-def _supervise(tasks: list[TaskProcess], exit_grace_secs: float) -> int:
+class _Restarts:
+    """survive() for processes.supervise: a failed worker other than the
+    chief is left behind, or started again while it has restarts left."""
+
+    def __init__(self, allowed: int, start):
+        self.allowed, self.start, self.used = allowed, start, {}
+
+    def __call__(self, task: TaskProcess, tasks: list) -> bool:
+        if task.job != "worker" or task.name == "worker0":
+            return False
+        index = int(task.name[len("worker"):])
+        used = self.used.get(index, 0)
+        if used >= self.allowed:
+            logging.warning("%s exited with status %d; the run goes on "
+                            "without it (--worker_restarts=%d)", task.name,
+                            task.poll(), self.allowed)
+            return True
+        self.used[index] = used + 1
+        logging.warning("%s exited with status %d; starting it again (%d "
+                        "of --worker_restarts=%d)", task.name, task.poll(),
+                        used + 1, self.allowed)
+        tasks.append(self.start("worker", index))
+        return True
+
+
+def _stop_chief_first(tasks: list[TaskProcess]) -> None:
+    """Ctrl-C: SIGTERM to the chief, which saves a checkpoint at the next
+    step boundary and stops every task; whatever still runs after
+    _CHIEF_STOP_SECS is stopped as usual."""
+    chief = next((t for t in tasks if t.name == "worker0"), None)
+    if chief is not None and chief.poll() is None:
+        chief.signal(signal.SIGTERM)
+        deadline = time.monotonic() + _CHIEF_STOP_SECS
+        while (any(t.poll() is None for t in tasks)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+    processes.stop_all(tasks, _STOP_SIGNAL_GRACE_SECS)
+
+
+def _supervise(tasks: list[TaskProcess], exit_grace_secs: float,
+               restart: _Restarts) -> int:
     """Runs the tasks to their end (processes.supervise); returns the exit
     status of the run. Once every worker is done, the ps tasks have
     exit_grace_secs to exit before they are stopped."""
-    workers = [t for t in tasks if t.job == "worker"]
     workers_done_at = None
 
     def give_up() -> str | None:
         nonlocal workers_done_at
-        if workers_done_at is None and all(t.poll() == 0 for t in workers):
+        workers = [t for t in tasks if t.job == "worker"]
+        if workers_done_at is None and all(t.poll() is not None
+                                           for t in workers):
             workers_done_at = time.monotonic()
         if (workers_done_at is not None
                 and time.monotonic() - workers_done_at > exit_grace_secs):
@@ -178,10 +229,16 @@ def _supervise(tasks: list[TaskProcess], exit_grace_secs: float) -> int:
             logging.error("%s", ending.reason)
 
     ending = processes.supervise(tasks, _STOP_SIGNAL_GRACE_SECS, give_up,
-                                 announce)
+                                 announce,
+                                 survive=lambda task: restart(task, tasks))
     if ending is None:
         for t in tasks:
             t.join_relay(timeout=5)
-        logging.info("every task exited 0")
+        failed = sorted({t.name for t in tasks if t.poll() != 0})
+        if failed:
+            logging.info("the chief and the ps tasks exited 0; %s failed "
+                         "during the run", ", ".join(failed))
+        else:
+            logging.info("every task exited 0")
         return 0
     return ending.failed.poll() if ending.failed else 1

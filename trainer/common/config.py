@@ -9,6 +9,7 @@ MODELS = ("softmax", "mlp", "cnn")        # builders in trainer/learning/model.p
 OPTIMIZERS = ("sgd", "momentum", "adam")  # rules in trainer/learning/optim.py
 LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/learning/optim.py
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
+SLICES = ("balanced", "equal")            # trainer/sync/slices.py
 DEFAULT_EPOCHS = 12
 
 
@@ -35,6 +36,8 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 5
     backup_workers: int = 0
+    min_workers: int = 1               # fewer in the roster: the run stops
+    slices: str = "balanced"           # how the chief cuts the global batch
     intra_op_threads: int = 0          # 0: TensorFlow's default, all cores
     inter_op_threads: int = 0
     startup_timeout_secs: float = 120.0
@@ -117,6 +120,13 @@ def validate(config: TrainConfig, num_workers: int) -> None:
             f"--backup_workers={config.backup_workers} must be at least 0 "
             f"and less than the {num_workers} worker(s), so that at least "
             "one gradient is averaged per step")
+    if not 1 <= config.min_workers <= num_workers:
+        raise UserError(
+            f"--min_workers={config.min_workers} must be at least 1 and at "
+            f"most the {num_workers} declared worker(s)")
+    if config.slices not in SLICES:
+        raise UserError(f"--slices={config.slices} is unknown; choose one "
+                        f"of {', '.join(SLICES)}")
     if config.ordered_pulls and config.backup_workers:
         raise UserError(
             "--ordered_pulls and --backup_workers do not mix: a late worker "

@@ -215,20 +215,29 @@ class Ending:
 def supervise(children: list[Child], grace_secs: float,
               give_up: Callable[[], str | None] | None = None,
               announce: Callable[[Ending], None] | None = None,
-              poll_secs: float = 0.1) -> Ending | None:
+              poll_secs: float = 0.1,
+              survive: Callable[[Child], bool] | None = None
+              ) -> Ending | None:
     """Waits until every child has exited 0 and returns None; or, as soon
     as one exits non-zero or give_up() returns a reason, calls
     announce(ending) (to log why), stops them all (stop_all) and returns
     the Ending.
 
-    One failed child ends the whole group at once: the others would wait
-    for it (a ps for the chief's shutdown, a worker for its peers).
+    One failed child ends the whole group at once (the others would wait
+    for it: a ps for the chief's shutdown, a worker for its peers), unless
+    survive(child), called once for it, returns True: then the others go
+    on without it, and `survive` may have put a replacement in `children`.
     """
+    survived = set()
     while True:
-        failed = next((c for c in children if c.poll() not in (None, 0)),
-                      None)
+        failed = next((c for c in children if c.poll() not in (None, 0)
+                       and id(c) not in survived), None)
+        if failed is not None and survive is not None and survive(failed):
+            survived.add(id(failed))
+            continue
         ending = Ending(failed=failed) if failed else None
-        if ending is None and all(c.poll() == 0 for c in children):
+        if ending is None and all(c.poll() == 0 for c in children
+                                  if id(c) not in survived):
             return None
         if ending is None and give_up is not None:
             reason = give_up()

@@ -84,8 +84,10 @@ class InGraphTrainSet:
         """The visiting order of `epoch`: int32 [num_examples]."""
         return epoch_order(self.num_examples, self.seed, epoch)
 
-    def batch(self, step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-        """This worker's slice of global step `step` (int64 scalar).
+    def batch(self, step: tf.Tensor, bounds=None
+              ) -> tuple[tf.Tensor, tf.Tensor]:
+        """Rows bounds = (start, end) of the global batch of step `step`
+        (int64 scalar); ints or int64 [] tensors, default self.bounds.
 
         Returns:
           images: float32 [m, 28, 28, 1] in [0, 1], m = end - start.
@@ -104,7 +106,7 @@ class InGraphTrainSet:
         order = tf.cond(tf.equal(epoch, self._order_epoch.read_value()),
                         self._order.read_value, reload)
         indices = slice_indices(order, position, self.global_batch,
-                                self.bounds)
+                                bounds or self.bounds)
         images = tf.gather(self._images.read_value(), indices)
         labels = tf.gather(self._labels.read_value(), indices)
         return model_input(images), labels
@@ -122,11 +124,12 @@ def epoch_order(num_examples: int, seed: int, epoch: tf.Tensor) -> tf.Tensor:
 def slice_indices(order: tf.Tensor, position: tf.Tensor, global_batch: int,
                   bounds: tuple[int, int]) -> tf.Tensor:
     """Example indices of rows [start, end) of the `position`-th global
-    batch of an epoch whose order is `order`: int32 [end - start]."""
-    start, end = bounds
-    first = position * global_batch + start
-    return tf.slice(order, tf.reshape(tf.cast(first, tf.int32), [1]),
-                    [end - start])
+    batch of an epoch whose order is `order`: int32 [end - start]. The
+    bounds are ints or integer [] tensors."""
+    start, end = (tf.cast(b, tf.int32) for b in bounds)
+    first = tf.cast(position, tf.int32) * global_batch + start
+    return tf.slice(order, tf.reshape(first, [1]),
+                    tf.reshape(end - start, [1]))
 
 
 def model_input(images: tf.Tensor) -> tf.Tensor:

@@ -122,6 +122,27 @@ def update_rule(config: TrainConfig):
 
 
 def make_optimizer(config: TrainConfig, rate) -> tf.compat.v1.train.Optimizer:
-    """The tf.compat.v1 optimizer of config.optimizer; `rate` is a float or
-    a float32 [] tensor."""
+    """The tf.compat.v1 optimizer of config.optimizer; `rate` is a float, a
+    float32 [] tensor or a function returning one."""
     return update_rule(config).optimizer(rate)
+
+
+class ScheduledUpdate:
+    """The run's optimizer, built once, with the rate of the step it
+    applies: `apply(step, grads_and_vars)` builds the update of global
+    step `step` (int64 []). The checkpoint saver reads its slots from
+    `optimizer`."""
+
+    def __init__(self, config: TrainConfig, train_steps: int):
+        self._step = None
+        # A tf.compat.v1 optimizer calls a callable rate each time it builds
+        # an update, so every update gets the rate of its own step.
+        self.optimizer = make_optimizer(
+            config, lambda: learning_rate(config, self._step, train_steps))
+
+    def apply(self, step: tf.Tensor, grads_and_vars: list) -> tf.Operation:
+        self._step = step
+        try:
+            return self.optimizer.apply_gradients(grads_and_vars)
+        finally:
+            self._step = None

@@ -53,8 +53,8 @@ def logits(config: TrainConfig, layout: params_lib.FlatLayout,
                                config.hidden_units)
 
 
-def example_uniform(seed: int, step: tf.Tensor, bounds: tuple[int, int],
-                    width: int) -> tf.Tensor:
+def example_uniform(seed: int, step: tf.Tensor, bounds, width: int
+                    ) -> tf.Tensor:
     """Uniform noise for rows [start, end) of global step `step`'s batch.
 
     Row r of the whole global batch always gets the same numbers, whichever
@@ -62,19 +62,20 @@ def example_uniform(seed: int, step: tf.Tensor, bounds: tuple[int, int],
     step), and each worker starts the stream at its first row. So dropout,
     like everything else, does not depend on how the batch is split.
 
+    bounds: (start, end), ints or int64 [] tensors.
     Returns float32 [end - start, width] in [0, 1).
     """
-    start, end = bounds
+    start, end = (tf.cast(b, tf.int64) for b in bounds)
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(
         seed=tf.stack([tf.constant(seed ^ _DROPOUT_SEED_SALT, tf.int64),
                        tf.cast(step, tf.int64)]))
     first = start * width
     skip = first % 4  # Philox yields four floats per counter increment
-    counter = counter + tf.constant([first // 4, 0], tf.uint64)
+    counter = counter + tf.cast(tf.stack([first // 4, 0]), tf.uint64)
     noise = tf.raw_ops.StatelessRandomUniformV2(
-        shape=[(end - start) * width + skip], key=key, counter=counter,
-        alg=1, dtype=tf.float32)  # alg 1: Philox
-    return tf.reshape(noise[skip:], [end - start, width])
+        shape=tf.reshape((end - start) * width + skip, [1]), key=key,
+        counter=counter, alg=1, dtype=tf.float32)  # alg 1: Philox
+    return tf.reshape(noise[skip:], tf.stack([end - start, width]))
 
 
 def global_batch_dropout(seed: int, step: tf.Tensor,
@@ -108,15 +109,17 @@ class Replica:
 
 def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
                       trainset: batches.InGraphTrainSet, step: tf.Tensor,
-                      shard_values: list) -> Replica:
-    """Forward and backward pass on this worker's slice of step `step`.
+                      bounds, shard_values: list) -> Replica:
+    """Forward and backward pass on rows bounds = [first, end) (int64 [2]
+    or a pair of ints) of the global batch of step `step`.
 
     The gradient is of the loss *sum* over the slice: the chief divides the
     sum of the workers' gradients by their example count, which weights
-    every worker by its slice (slices differ by one example at most).
+    every worker by its slice, whatever the slices' sizes.
     """
-    images, labels = trainset.batch(step)
-    dropout = global_batch_dropout(config.seed, step, trainset.bounds)
+    bounds = (bounds[0], bounds[1])
+    images, labels = trainset.batch(step, bounds)
+    dropout = global_batch_dropout(config.seed, step, bounds)
     out = logits(config, layout, shard_values, images, dropout)
     stats = batch_stats(out, labels)
     grads = tf.gradients(stats[1], shard_values)

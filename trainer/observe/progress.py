@@ -32,13 +32,16 @@ class Outcome:
     timed_steps: int     # steps in train_secs
     dropped: int         # late gradients dropped (backup workers)
     wall_secs: float = 0.0  # first step to last, pauses included
+    timed_examples: float = 0.0  # examples averaged in train_secs
 
-    def summary(self, batch_size: int) -> dict:
-        """Times, images/s and mean step time, for results files."""
+    def summary(self) -> dict:
+        """Times, images/s and mean step time, for results files. Images
+        are the examples whose gradients were averaged: with backup
+        workers, fewer than the global batch per step."""
         return {
             "wall_time_secs": self.wall_secs,
             "train_time_secs": self.train_secs,
-            "images_per_sec": (self.timed_steps * batch_size / self.train_secs
+            "images_per_sec": (self.timed_examples / self.train_secs
                                if self.train_secs else None),
             "mean_step_time_ms": (1000.0 * self.train_secs / self.timed_steps
                                   if self.timed_steps else None),
@@ -53,7 +56,7 @@ def results_fields(outcome: Outcome, config: TrainConfig,
               "final_test_loss": outcome.history[-1]["loss"]}
              if outcome.history else {})
     return {**final, "train_steps": train_steps,
-            **outcome.summary(config.batch_size),
+            **outcome.summary(),
             "eval_history": outcome.history, "peak_rss_mb": peak_rss_mb(),
             "flags": dataclasses.asdict(config)}
 
@@ -139,6 +142,7 @@ def drive(run_steps: Callable, evaluate: Callable | None,
         else:
             outcome.train_secs += time.monotonic() - run_start
             outcome.timed_steps += count
+            outcome.timed_examples += float(out["stats"][0])
             interval.add(count, out["stats"])
         if interval.steps and (step % config.log_every == 0
                                or step == train_steps):

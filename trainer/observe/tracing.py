@@ -32,31 +32,34 @@ def traced_run(session, fetches: dict, feeds: list):
 
 
 def split_loop(loop, traced, trace_range: tuple[int, int], traces: list):
-    """Wraps loop(start, count) so that the steps in [first, end) run as
-    one traced session.run of the same in-graph loop, appending (first
-    step, steps, RunMetadata) to `traces`.
+    """Wraps loop(start token, count) so that the steps in [first, end)
+    run as one traced session.run of the same in-graph loop, appending
+    (first step, steps, RunMetadata) to `traces`.
 
-    Outputs of the pieces are merged as one run's: steps_done and stats
-    summed, next_step and dropped from the last piece. A piece that stops
-    early (the chief's STOP, a skip of a backup worker) ends the run there.
+    A token is int64 [4] whose first element is the step. Outputs of the
+    pieces are merged as one run's: steps_done and stats summed,
+    next_token and dropped from the last piece. A piece that stops early
+    (the chief's STOP or REJOIN, a step planned again) ends the run there.
     """
     first, end = trace_range
 
-    def run(start: int, count: int) -> dict:
-        pieces, step, stop = [], start, start + count
+    def run(start, count: int) -> dict:
+        pieces, token = [], np.asarray(start)
+        step, stop = int(token[0]), int(token[0]) + count
         while step < stop:
             if first <= step < end:
                 wanted = min(stop, end) - step
                 metadata = tf.compat.v1.RunMetadata()
-                out = traced(step, wanted, metadata)
+                out = traced(token, wanted, metadata)
                 traces.append((step, int(out["steps_done"]), metadata))
             else:
                 wanted = (min(stop, first) if step < first else stop) - step
-                out = loop(step, wanted)
+                out = loop(token, wanted)
             pieces.append(out)
             if int(out["steps_done"]) != wanted:
                 break
-            step = int(out["next_step"])
+            token = out["next_token"]
+            step = int(token[0])
             if step < 0:
                 break
         return _merge(pieces)

@@ -13,7 +13,9 @@ from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
 from trainer.observe import progress
 from trainer.observe import tracing
-from trainer.roles.lifecycle import POLL_SECS, WorkerRole
+from trainer.roles import membership
+from trainer.roles.lifecycle import (POLL_SECS, PROGRESS_LOG_SECS,
+                                     WorkerRole, token_of)
 from trainer.saving import checkpoints
 from trainer.saving import export
 
@@ -32,6 +34,7 @@ class Chief(WorkerRole):
         # survive a restore: int64 [N] by global step.
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
+        self.halt_reason = None       # why training ends early (halt)
 
     def run_connected(self) -> None:
         ops = self.g.chief
@@ -43,68 +46,145 @@ class Chief(WorkerRole):
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
         writer = progress.summary_writer(str(logdir), self.g.graph)
-        with self.watchdog(self.config.worker_timeout_secs,
-                           lambda at, who: self._stop_stalled_run(
-                               logdir, at, who)) as dog:
+        with self._membership_watch(logdir, writer) as watch:
+            self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
-                self._step_runner(dog, step), self.callable(ops.eval_outputs),
+                self._step_runner(logdir), self.callable(ops.eval_outputs),
                 lambda at: self._save(logdir, at), self.config, step,
                 self.train_steps, writer)
+            # Every worker, in or out, learns that training is over.
+            self.session.run(ops.end_op)
+            self._end_late_joiners(watch)
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
         writer.close()
         counted = self._counted_before + self.session.run(ops.contributions)
+        # The chief pushes once per round: its rounds of this launch.
+        self.pushed = int(self.session.run(self.g.handles.round))
         self._export(logdir)
         pushed = self._collect_finished()
         self._write_results(logdir, self.train_steps - step, outcome,
-                            counted, pushed, step_breakdown)
+                            counted, pushed, step_breakdown, watch.records)
         self._shut_down_ps()
         self.close_session()
 
-    def _step_runner(self, dog, first_step: int):
-        """(start, count) -> loop outputs, failing if the loop stopped
-        early (the watchdog or the chief's STOP)."""
+    def _membership_watch(self, logdir: pathlib.Path, writer
+                          ) -> membership.MembershipWatch:
+        ops, handles = self.g.chief, self.g.handles
+        read = self.callable({
+            "step": handles.global_step, "round": handles.round,
+            "planned": handles.planned, "admitted": handles.admitted,
+            "roster": ops.roster, "slices": ops.slices})
+        session = self.session
+        return membership.MembershipWatch(
+            read, lambda: session.run(ops.membership),
+            lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
+            self.task.cluster, self.config, writer,
+            on_unreachable=lambda at, who: self._stop_stalled_run(
+                logdir, at, who))
+
+    def _wait_for_workers(self, count: int) -> None:
+        """Takes in the workers that joined until `count` are in (at most
+        --startup_timeout_secs)."""
+        start = time.monotonic()
+        next_log = start + PROGRESS_LOG_SECS
+        while True:
+            members = int(self.session.run(self.g.chief.absorb_op).sum())
+            if members >= count or self.halt_reason:
+                return
+            now = time.monotonic()
+            if now - start > self.config.startup_timeout_secs:
+                raise RunFailed(
+                    f"only {members} of the --min_workers={count} workers "
+                    f"joined within {self.config.startup_timeout_secs:.0f} s "
+                    "(--startup_timeout_secs); start the others or lower "
+                    "--min_workers")
+            if now >= next_log:
+                logging.info("%d of --min_workers=%d workers in; waiting "
+                             "for the others: %.0f s", members, count,
+                             now - start)
+                next_log = now + PROGRESS_LOG_SECS
+            time.sleep(POLL_SECS)
+
+    def _end_late_joiners(self, watch) -> None:
+        """Declared workers that never joined (a short run can end before
+        they are up) get up to FINISH_WAIT_SECS to join, and are then
+        handed the end at once, so that they exit like the others."""
+        ops, workers = self.g.chief, self.task.cluster.num_workers
+        joined = {r["worker"] for r in watch.records}
+        never = {k for k in range(1, workers) if k not in joined}
+        deadline = time.monotonic() + FINISH_WAIT_SECS
+        while never and time.monotonic() < deadline:
+            roster = self.session.run(ops.absorb_op)
+            came = {k for k in never if roster[k] > 0.5}
+            if came:
+                self.session.run(ops.end_op)
+                never -= came
+            else:
+                time.sleep(POLL_SECS)
+        if never:
+            logging.warning("never joined: %s", ", ".join(
+                self.task.cluster.describe("worker", k) for k in never))
+
+    def halt(self, reason: str) -> None:
+        """Ends training at the next step boundary with a checkpoint, then
+        stops every task (SIGTERM, too few workers). Any thread."""
+        with self._lock:
+            if self.halt_reason:
+                return
+            self.halt_reason = reason
+            session = self.session
+        try:
+            logging.warning("%s at global step %d: stopping at the next "
+                            "step boundary", reason,
+                            session.run(self.g.handles.global_step))
+            session.run(self.g.chief.halt_op)
+        except Exception as e:  # noqa: BLE001 (the loop then fails anyway)
+            logging.warning("could not halt the training loop: %s", e)
+
+    def _step_runner(self, logdir: pathlib.Path):
+        """(start, count) -> loop outputs; a halted or stopped loop saves
+        where it ended and fails the run."""
         loop = self.loop_callable()
 
         def run_steps(start: int, count: int) -> dict:
-            # The first step also waits for every worker to start.
-            first = start == first_step
-            with dog.busy(self.config.startup_timeout_secs if first else None,
-                          "--startup_timeout_secs" if first else None):
-                out = loop(start, count)
-            if out["steps_done"] != count or (
-                    out["next_step"] != start + count):
-                raise RunFailed(f"the training loop stopped early at "
-                                f"step {out['next_step']}")
-            self.last_progress = time.monotonic()
-            return out
+            if not self.halt_reason:
+                out = loop(token_of(start), count)
+                if out["steps_done"] == count and (
+                        out["next_token"][0] == start + count):
+                    self.last_progress = time.monotonic()
+                    return out
+                start = int(out["next_token"][0])
+            members = int(self.session.run(self.g.chief.roster).sum())
+            reason = self.halt_reason or (
+                f"{members} worker(s) left, fewer than --min_workers="
+                f"{self.config.min_workers}"
+                if members < self.config.min_workers else None)
+            if reason and start >= 0:
+                self._save_and_stop(logdir, start, reason)
+                self._shut_down_ps(failed=True)
+                raise RunFailed(
+                    f"{reason}; saved a checkpoint at step {start}; start "
+                    "every task again with the same flags to continue "
+                    "from it")
+            raise RunFailed(f"the training loop stopped early at step "
+                            f"{start}")
 
         return run_steps
 
     def _stop_stalled_run(self, logdir: pathlib.Path, step: int | None,
                           who: str) -> None:
-        """The step waited --worker_timeout_secs for `who`: save and stop.
-
-        Runs on the watchdog's thread. The blocked step has not been
-        applied, so the parameters are those after `step` steps: a
-        consistent checkpoint to resume from. With step None ps 0 does not
-        answer, so nothing can be saved: the last checkpoint stands.
-        """
+        """ps 0 has not answered for --worker_timeout_secs: nothing can be
+        saved or sent through it, so the last checkpoint stands. Runs on
+        the membership watch's thread."""
+        del logdir
         timeout = f"{self.config.worker_timeout_secs:.0f} s"
-        if step is None:  # nothing can be saved or sent through ps 0
-            reason = f"{who} for {timeout} (--worker_timeout_secs)"
-            then = ("stopped; start every task again with the same flags "
-                    "to continue from the last checkpoint")
-        else:
-            reason = (f"{who} sent no gradient for step {step} in {timeout} "
-                      "(--worker_timeout_secs)")
-            self._save_and_stop(logdir, step, reason)
-            then = (f"stopped the run after saving a checkpoint at step "
-                    f"{step}; restart the missing task(s) and start every "
-                    "task again with the same flags to continue from it")
+        at = "" if step is None else f" at step {step}"
         # Even when the stop could not be sent, the ps tasks must exit.
         self._shut_down_ps(failed=True)
-        self.give_up(f"{reason}; {then}")
+        self.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
+                     "stopped; start every task again with the same flags "
+                     "to continue from the last checkpoint")
 
     def _save_and_stop(self, logdir: pathlib.Path, step: int,
                        reason: str) -> None:
@@ -156,17 +236,17 @@ class Chief(WorkerRole):
 
     def _collect_finished(self) -> dict:
         """The gradients the other workers say they pushed, reported as
-        they finish."""
+        they finish; waits only for those still in the roster."""
+        roster = self.session.run(self.g.chief.roster)
+        expected = {k for k in range(1, len(roster)) if roster[k] > 0.5}
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
-        while (len(reports) < self.task.cluster.num_workers - 1
-               and time.monotonic() < deadline):
+        while not expected <= reports.keys() and time.monotonic() < deadline:
             workers, steps = self.session.run(self.g.chief.take_finished)
             reports.update(zip(workers.tolist(), steps.tolist()))
-            if len(reports) < self.task.cluster.num_workers - 1:
+            if not expected <= reports.keys():
                 time.sleep(POLL_SECS)
-        missing = [k for k in range(1, self.task.cluster.num_workers)
-                   if k not in reports]
+        missing = sorted(expected - reports.keys())
         if missing:
             logging.warning("no end-of-training report from %s",
                             ", ".join(self.task.cluster.describe("worker", k)
@@ -175,10 +255,12 @@ class Chief(WorkerRole):
 
     def _write_results(self, logdir: pathlib.Path, steps_trained: int,
                        outcome: progress.Outcome, counted: np.ndarray,
-                       pushed: dict, step_breakdown: dict | None) -> None:
-        """results.json. local_steps: the applied steps of this launch that
-        averaged each worker's gradient (ps-side, exact); pushed_gradients:
-        what each worker pushed (with stale, dropped and redone ones)."""
+                       pushed: dict, step_breakdown: dict | None,
+                       records: list) -> None:
+        """results.json. averaged_steps: the applied steps of this launch
+        whose average held each worker's gradient (ps-side, exact);
+        pushed_gradients: what each worker says it pushed (stale, dropped
+        and redone ones included); membership: every roster change."""
         config, cluster = self.config, self.task.cluster
         results = {
             **progress.results_fields(outcome, config, self.train_steps),
@@ -190,9 +272,13 @@ class Chief(WorkerRole):
                 cluster.num_workers),
             "backup_workers": config.backup_workers,
             "dropped_gradients": outcome.dropped,
-            "local_steps": {str(k): int(n) for k, n in enumerate(counted)},
-            "pushed_gradients": {"0": steps_trained,
+            "min_workers": config.min_workers,
+            "slices": config.slices,
+            "averaged_steps": {str(k): int(n)
+                               for k, n in enumerate(counted)},
+            "pushed_gradients": {"0": self.pushed,
                                  **{str(k): v for k, v in pushed.items()}},
+            "membership": records,
             "cluster": cluster.as_dict(),
         }
         if step_breakdown:

@@ -18,9 +18,13 @@ from trainer.learning import batches
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.roles import step as step_lib
+from trainer.learning import optim
 from trainer.saving.checkpoints import checkpoint_saver
 from trainer.sync import averaging
 from trainer.sync import coordination
+from trainer.sync import pull_turns as pull_turns_lib
+from trainer.sync import state as state_lib
+from trainer.sync import transport as transport_lib
 
 
 def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
@@ -42,10 +46,16 @@ class WorkerHandles:
     chief_fingerprint: tf.Tensor  # string []
     stop_reason: tf.Tensor        # string []: why the chief stopped
     global_step: tf.Tensor        # int64 []
-    admitted: tf.Tensor           # float32 [N]: 1 where admitted this step
-    resync_step: tf.Tensor        # int64 []: where this worker starts
-    local_steps_in: tf.Tensor     # feed int64 []: gradients this worker pushed
-    finish_op: tf.Operation       # reports local_steps_in to the chief
+    round: tf.Tensor              # int64 []: the chief's current round
+    planned: tf.Tensor            # float32 [N]: 1 where in this round
+    admitted: tf.Tensor           # float32 [N]: 1 where pushed this round
+    join_op: tf.Operation         # drops old tokens, asks the chief in
+    leave_op: tf.Operation        # tells the chief we leave (SIGTERM)
+    tokens_waiting: tf.Tensor     # int32 []: tokens in our queue
+    in_roster: tf.Tensor          # bool []: the chief counts us in
+    next_token: tf.Tensor         # int64 [4]: waits for one
+    pushed_in: tf.Tensor          # feed int64 []: gradients we pushed
+    finish_op: tf.Operation       # reports pushed_in to the chief
 
 
 @dataclasses.dataclass
@@ -54,8 +64,16 @@ class ChiefOps:
 
     init_op: tf.Operation
     transient_init_op: tf.Operation   # sync state a restore does not cover
-    start_op: tf.Operation            # first tokens to every worker
+    start_op: tf.Operation            # REJOIN to every worker
     mark_ready_op: tf.Operation       # tells the workers to go
+    absorb_op: tf.Tensor              # queued joins in; roster float32 [N]
+    membership: tuple                 # records so far (state.take_membership)
+    roster: tf.Tensor                 # float32 [N]
+    slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
+    lost_in: tf.Tensor                # feed int32 []: a worker lost
+    lost_op: tf.Operation             # reports lost_in to the rule
+    halt_op: tf.Operation             # ends the loop at a step boundary
+    end_op: tf.Operation              # the final step to every worker
     saver: tf.compat.v1.train.Saver
     checkpoint_shapes: dict           # checkpoint key -> shape
     eval_outputs: dict                # {"loss", "accuracy"}: float32 []
@@ -74,13 +92,13 @@ class WorkerGraph:
     """What a worker's Python side runs; `chief` is None on other workers."""
 
     graph: tf.Graph
-    sync: averaging.Averaging
+    shared: state_lib.SharedState
     coord: coordination.RunCoordination
     flat: params_lib.FlatParams
     trainset: batches.InGraphTrainSet
-    start_step: tf.Tensor     # feed int64 []: the first step of a run
+    start_token: tf.Tensor    # feed int64 [4]: the first token of a run
     num_steps: tf.Tensor      # feed int64 []: at most this many steps
-    loop_outputs: dict        # fetch: steps done, next step, stats sums
+    loop_outputs: dict        # fetch: steps done, next token, stats sums
     handles: WorkerHandles
     chief: ChiefOps | None
 
@@ -97,66 +115,80 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                                             k)):
             flat = params_lib.FlatParams(layout)
             shard_devices = [devices.ps_device(i) for i in flat.ps_indices]
-            sync = averaging.Averaging(
-                cluster.num_workers,
-                config.replicas_to_aggregate(cluster.num_workers),
-                flat.sizes, shard_devices, wire_dtype=config.wire_dtype,
-                ordered_pulls=config.ordered_pulls)
+            shared = state_lib.SharedState(cluster.num_workers, flat.sizes,
+                                           shard_devices)
+            turns = pull_turns_lib.PullTurns(
+                cluster.num_workers, shard_devices, config.ordered_pulls)
             coord = coordination.RunCoordination(
-                shard_devices[0], fingerprint(config, task, train_steps))
+                shared, turns, fingerprint(config, task, train_steps))
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
-                    batches.shard_bounds(config.batch_size,
-                                         cluster.num_workers)[k])
-                start_step = tf.compat.v1.placeholder(tf.int64, [],
-                                                      "start_step")
+                    (0, config.batch_size))
+                start_token = tf.compat.v1.placeholder(
+                    tf.int64, [state_lib.TOKEN_SIZE], "start_token")
                 num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
-            parts = step_lib.StepParts(config, k, flat, sync, trainset)
-            step_body = (step_lib.ChiefStep(parts, train_steps)
-                         if task.is_chief else step_lib.WorkerStep(parts))
+            parts = step_lib.StepParts(
+                config, k, flat, shared,
+                transport_lib.Transport(shared, config.wire_dtype), turns,
+                trainset)
+            if task.is_chief:
+                rule = averaging.Averaging(shared, config.batch_size,
+                                           config.backup_workers,
+                                           config.slices, turns)
+                update = optim.ScheduledUpdate(config, train_steps)
+                step_body = step_lib.ChiefStep(parts, rule, update)
+            else:
+                step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
-                sync, step_body, start_step, num_steps, train_steps,
-                task.is_chief)
-            chief = (_chief_ops(config, cluster.num_ps, flat, sync, coord,
-                                step_body.optimizer, num_test_examples)
+                shared, step_body, start_token, num_steps, train_steps,
+                task.is_chief, config.min_workers)
+            chief = (_chief_ops(config, cluster.num_ps, flat, rule, coord,
+                                update.optimizer, num_test_examples)
                      if task.is_chief else None)
-            g = WorkerGraph(graph, sync, coord, flat, trainset, start_step,
+            g = WorkerGraph(graph, shared, coord, flat, trainset, start_token,
                             num_steps, loop_outputs,
-                            _worker_handles(sync, coord, k), chief)
+                            _worker_handles(shared, coord, k), chief)
         graph.finalize()
     return g
 
 
-def _worker_handles(sync: averaging.Averaging,
+def _worker_handles(shared: state_lib.SharedState,
                     coord: coordination.RunCoordination,
                     k: int) -> WorkerHandles:
-    with tf.device(sync.shard_devices[0]):
-        local_steps_in = tf.compat.v1.placeholder(tf.int64, [], "local_steps")
+    with tf.device(shared.shard_devices[0]):
+        pushed_in = tf.compat.v1.placeholder(tf.int64, [], "pushed")
         return WorkerHandles(
             ready=coord.chief_ready(),
             chief_fingerprint=coord.chief_fingerprint(),
             stop_reason=coord.read_stop_reason(),
-            global_step=sync.global_step.read_value(),
-            admitted=sync.admitted.read_value(),
-            resync_step=sync.resync_step(k),
-            local_steps_in=local_steps_in,
-            finish_op=coord.report_finished(k, local_steps_in))
+            global_step=shared.global_step.read_value(),
+            round=shared.round.read_value(),
+            planned=shared.planned.read_value(),
+            admitted=shared.admitted.read_value(),
+            join_op=coord.join_op(k), leave_op=coord.leave_op(k),
+            tokens_waiting=coord.tokens_waiting(k),
+            in_roster=shared.roster.read_value()[k] > 0.5,
+            next_token=shared.next_token(k),
+            pushed_in=pushed_in,
+            finish_op=coord.report_finished(k, pushed_in))
 
 
-def _chief_ops(config: TrainConfig, num_ps: int, flat, sync, coord,
+def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
                optimizer, num_test_examples: int) -> ChiefOps:
     init_op = tf.compat.v1.global_variables_initializer()
-    with tf.device(sync.shard_devices[0]):
+    shared = rule.shared
+    with tf.device(shared.shard_devices[0]):
         stop_reason_in = tf.compat.v1.placeholder(tf.string, [],
                                                   "stop_reason")
-        stop_op = coord.stop_op(stop_reason_in, sync)
+        lost_in = tf.compat.v1.placeholder(tf.int32, [], "lost_worker")
+        stop_op = coord.stop_op(stop_reason_in)
         take_finished = coord.take_reports()
-        contributions = sync.contributions.read_value()
+        contributions = shared.contributions.read_value()
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     saver, checkpoint_shapes = checkpoint_saver(
-        flat, averaging.transient_variables(), optimizer,
+        flat, state_lib.transient_variables(), optimizer,
         config.keep_checkpoints)
     values = [v.read_value() for v in flat.variables]
     eval_outputs, testset_init = replica_lib.evaluation(
@@ -164,9 +196,15 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, sync, coord,
     return ChiefOps(
         init_op=init_op,
         transient_init_op=tf.compat.v1.variables_initializer(
-            averaging.transient_variables()),
-        start_op=sync.start_op(after=[coord.clear_stop_op()]),
+            state_lib.transient_variables()),
+        start_op=coord.start_op(),
         mark_ready_op=coord.mark_ready_op(),
+        absorb_op=rule.absorb_queued(),
+        membership=shared.take_membership(),
+        roster=shared.roster.read_value(),
+        slices=shared.slices.read_value(),
+        lost_in=lost_in, lost_op=coord.lost_op(lost_in),
+        halt_op=coord.halt_op(), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),

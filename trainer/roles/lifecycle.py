@@ -12,6 +12,7 @@ import threading
 import time
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from trainer.cluster import devices
@@ -51,7 +52,7 @@ class WorkerRole(abc.ABC):
         self.train_steps = config.resolved_train_steps(
             len(mnist.train_labels))
         self.session = None
-        self.local_steps = 0      # gradients this worker pushed, all sessions
+        self.pushed = 0           # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
         self._stop_reason = None
         self._lock = threading.Lock()
@@ -80,10 +81,10 @@ class WorkerRole(abc.ABC):
         3. `_connect`: wait until every ps accepts connections, open a new
            session, load the data into it;
         4. `run_connected` starts over: the chief restores the newest
-           checkpoint, since a restarted ps lost the variables, and hands
-           out the step (chief.py `_initialize_or_restore`, the averaging
-           protocol's start_op); another worker waits for the chief's
-           handshake and resyncs to the global step (worker.py).
+           checkpoint, since a restarted ps lost the variables, and asks
+           every worker to join again (chief.py `_initialize_or_restore`,
+           coordination's start_op); another worker waits for the chief's
+           handshake and joins (worker.py).
         """
         # Saver.save and .restore build nothing here, but look at the
         # default graph to decide between graph and eager mode.
@@ -140,12 +141,12 @@ class WorkerRole(abc.ABC):
         return make_callable(self.session, fetches, feeds)
 
     def loop_callable(self):
-        """(start step, count) -> the loop's outputs.
+        """(start token int64 [4], count) -> the loop's outputs.
 
         With --trace_steps=A:B, runs of steps that cross [A, B) are split
         so that each step in it runs alone, traced (see trainer/observe/tracing.py).
         """
-        feeds = [self.g.start_step, self.g.num_steps]
+        feeds = [self.g.start_token, self.g.num_steps]
         loop = self.callable(self.g.loop_outputs, feeds)
         if self.config.trace_range() is None:
             return loop
@@ -203,6 +204,12 @@ class WorkerRole(abc.ABC):
                       "exiting", reason, CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
+
+
+def token_of(step: int) -> np.ndarray:
+    """The token of `step` with no round or slice (int64 [4]): what the
+    chief's loop starts from."""
+    return np.array([step, 0, 0, 0], np.int64)
 
 
 def wait_for_ps(task: Task, timeout: float) -> None:

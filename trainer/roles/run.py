@@ -6,6 +6,7 @@
 """
 
 import socket
+import threading
 
 from absl import logging
 import tensorflow as tf
@@ -41,8 +42,43 @@ def run(config: TrainConfig, task: Task) -> None:
                           need_test=task.is_chief)
     logging.info("data: %d training and %d test images from %s",
                  len(mnist.train_labels), len(mnist.test_labels), data_dir)
-    role = Chief if task.is_chief else Worker
-    role(config, task, start_server(config, task), mnist).run()
+    role = (Chief if task.is_chief else Worker)(
+        config, task, start_server(config, task), mnist)
+    _running.append(role)
+    role.run()
+
+
+_running = []            # the worker role of this process, once built
+LEAVE_DEADLINE_SECS = 1.5
+CHIEF_GRACE_SECS = 60.0
+
+
+def terminate() -> float:
+    """On SIGTERM (from the main thread): a worker tells the chief it
+    leaves (at most LEAVE_DEADLINE_SECS); the chief ends training at the
+    next step boundary, saves a checkpoint and stops every task. Returns
+    how long the caller should let the training thread finish: 0 to exit
+    at once."""
+    if not _running:
+        return 0.0
+    role = _running[0]
+    if isinstance(role, Chief):
+        threading.Thread(target=role.halt, args=(
+            "the chief was sent SIGTERM",), daemon=True).start()
+        return CHIEF_GRACE_SECS
+    telling = threading.Thread(target=_quietly, args=(role.leave,),
+                               daemon=True)
+    telling.start()
+    telling.join(LEAVE_DEADLINE_SECS)
+    logging.info("told the chief that this worker leaves")
+    return 0.0
+
+
+def _quietly(call) -> None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (leaving anyway)
+        logging.warning("could not tell the chief: %s", e)
 
 
 def start_server(config: TrainConfig, task: Task):

@@ -1,5 +1,5 @@
-"""Workers other than the chief: wait for the chief, then compute and push
-a gradient for every step the chief hands out, to the end.
+"""Workers other than the chief: wait for the chief, join, then compute
+and push a gradient for every piece the chief hands out, to the end.
 
 Each step is `WorkerStep` in trainer/roles/step.py; connecting and coming
 back after a lost ps is trainer/roles/lifecycle.py.
@@ -11,45 +11,93 @@ from absl import logging
 
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
-from trainer.roles.lifecycle import POLL_SECS, PROGRESS_LOG_SECS, WorkerRole
-from trainer.sync import averaging
+from trainer.roles.lifecycle import (POLL_SECS, PROGRESS_LOG_SECS,
+                                     WorkerRole, token_of)
+from trainer.sync import state
+
+JOIN_AGAIN_SECS = 5.0
 
 
 class Worker(WorkerRole):
 
     def run_connected(self) -> None:
-        """Trains from the global step to the end (or the chief's STOP)."""
+        """Joins, then computes every piece the chief hands out, to the
+        end (or the chief's STOP)."""
         h = self.g.handles
         self._wait_for_chief()
-        # After a (re)start: stale tokens dropped, this step's turn taken.
-        step = int(self.session.run(h.resync_step))
         loop = self.loop_callable()
-        logging.info("worker %d starts at global step %d", self.k, step)
+        # Build and place the loop on every device before joining (no step
+        # runs: 0 steps), so that our first round is not held up by it.
+        self.callable(self.g.loop_outputs,
+                      [self.g.start_token, self.g.num_steps])(token_of(0), 0)
         # The chief gives up on a missing worker after --worker_timeout_secs
         # and tells us why; we wait twice that long for it to do so.
         timeout = 2 * self.config.worker_timeout_secs
         with self.watchdog(timeout, lambda at, who: self.give_up(
-                f"global step {step if at is None else at} did not move "
-                f"for {timeout:.0f} s "
+                f"global step {at} did not move for {timeout:.0f} s "
                 f"(2 x --worker_timeout_secs), waiting for {who}; is the "
                 f"chief, {self.task.cluster.describe('worker', 0)}, "
                 "running?"), timeout_flag="2 x --worker_timeout_secs") as dog:
-            while 0 <= step < self.train_steps:
+            token = self._join(dog)
+            while True:
+                step = int(token[0])
+                if step == state.REJOIN:  # a restarted chief
+                    token = self._join(dog)
+                    continue
+                if not 0 <= step < self.train_steps:
+                    break
                 with dog.busy():
-                    out = loop(step, self.config.log_every)
+                    out = loop(token, self.config.log_every)
                 self.last_progress = time.monotonic()
-                self.local_steps += int(out["steps_done"])
-                step = int(out["next_step"])
-                logging.info("worker %d: global step %d, %d local steps",
-                             self.k, max(step, 0), self.local_steps)
-        if step == averaging.STOP:
+                self.pushed += int(out["steps_done"])
+                token = out["next_token"]
+                logging.info("worker %d: global step %d, %d gradients pushed",
+                             self.k, max(int(token[0]), 0), self.pushed)
+        if step == state.STOP:
             reason = self.session.run(h.stop_reason).decode()
             raise RunFailed(f"the chief stopped the run: {reason}")
         tracing.write_traces(self.traces, self.config.logdir, self.k, False)
-        self.session.run(h.finish_op, {h.local_steps_in: self.local_steps})
-        logging.info("worker %d finished: %d local steps", self.k,
-                     self.local_steps)
+        self.session.run(h.finish_op, {h.pushed_in: self.pushed})
+        logging.info("worker %d finished: %d gradients pushed", self.k,
+                     self.pushed)
         self.close_session()
+
+    def _join(self, dog):
+        """Asks the chief in and waits for the first token (int64 [4]).
+
+        Asks again every JOIN_AGAIN_SECS while the roster does not hold us
+        (a LOST report about our previous self may have overtaken the
+        request), up to --startup_timeout_secs.
+        """
+        h = self.g.handles
+        self.session.run(h.join_op)
+        logging.info("worker %d asked the chief to take it in", self.k)
+        start = asked = time.monotonic()
+        with dog.busy():
+            while not self.session.run(h.tokens_waiting):
+                now = time.monotonic()
+                if now - start > self.config.startup_timeout_secs:
+                    raise RunFailed(
+                        "the chief did not take this worker in within "
+                        f"{self.config.startup_timeout_secs:.0f} s "
+                        "(--startup_timeout_secs)")
+                if now - asked > JOIN_AGAIN_SECS and not self.session.run(
+                        h.in_roster):
+                    self.session.run(h.join_op)
+                    asked = now
+                time.sleep(POLL_SECS / 5)
+            token = self.session.run(h.next_token)
+        logging.info("worker %d joined at global step %d", self.k,
+                     max(int(token[0]), 0))
+        return token
+
+    def leave(self) -> None:
+        """On SIGTERM: tell the chief we leave, so that it does not wait
+        out a timeout for our gradient. Any thread."""
+        with self._lock:
+            session = self.session
+        if session is not None:
+            session.run(self.g.handles.leave_op)
 
     def _wait_for_chief(self) -> None:
         """The handshake (trainer/sync/coordination.py): wait until the

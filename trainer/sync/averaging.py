@@ -1,276 +1,205 @@
-"""Synchronous gradient averaging: exactly one gradient per replica per step.
+"""The sync rule: who computes what in a step, what is averaged, when the
+step is applied. Change the rule here.
 
-Why not plain `SyncReplicasOptimizer`: its workers all take their "go"
-tokens from one shared queue, so a fast worker can take a slow worker's
-token and contribute twice to a step while the slow one contributes
-nothing. Here every worker has its own token queue and its own gradient
-slot, and the chief admits each worker at most once per step.
+For global step t the chief runs rounds until one completes:
 
-The protocol for global step `t`, with N workers of which R are aggregated
-(N = R + backup workers):
+1. Plan: the members are the roster (who is in: the chief, and every
+   worker that joined and has not left). The chief cuts the global batch
+   into one slice per member (trainer/sync/slices.py: equal, or balanced
+   by measured speed), bumps the round number r and hands member k the
+   token (t, r, first, end). Workers that joined since the last plan are
+   in it; workers that left are not.
+2. Each member pulls the parameters, computes the sum of its per-example
+   gradients over its slice and pushes it into its row
+   (trainer/sync/transport.py), then announces (PUSHED, k, t, r).
+3. Admit: the chief takes events until every member of round r has
+   pushed for (t, r) (with --backup_workers=b, all but b). A push for
+   another step or round is stale: dropped and counted. A worker that
+   joins is added to the roster for the next plan. A member that leaves
+   (lost, or SIGTERM) before pushing ends the round unfinished.
+4. If the round finished: average the admitted rows, dividing their sum
+   by their example count, which is the gradient of the whole global
+   batch (without backups); apply it; count each admitted worker; set
+   global_step = t + 1. If not: plan step t again among those left, so the
+   lost worker's examples are computed by the others. Nothing applied is
+   ever redone, and every applied step averaged the whole batch.
 
-1. Pull: worker k learns `t`: the chief from its own loop, every other worker
-   from its token queue `sync/tokens_<k>` (on ps 0), which only the chief
-   fills. The parameters are read after the token, so they already hold
-   step t-1's update (with ordered pulls, by worker k > 0 only after
-   worker k - 1: trainer/sync/pull_turns.py).
-2. Push: worker k writes the sum of its per-example gradients into row k of the
-   gradient slot variable of every ps shard, and (examples, loss sum,
-   correct predictions) into row k of `sync/stats`. Then it enqueues the
-   arrival (k, t) on `sync/arrivals`.
-3. Admit: the chief takes arrivals until R distinct workers have arrived
-   for step t. An arrival for another step is stale: it is dropped and counted. A
-   second arrival from an already admitted worker (a restarted worker
-   redoing its step) is ignored. Admission is recorded in the variable
-   `sync/admitted`, so a step cancelled halfway can be retried.
-4. Average: the chief sums the admitted rows and divides by their example
-   count, which is the gradient of the union of their slices (the whole
-   global batch when R = N). It applies the mean (trainer/roles/step.py),
-   then counts: adds the admitted workers to `sync/contributions`, sets
-   global_step = t + 1 and puts t + 1 in every worker's token queue.
+Why this is exact whoever computes: each row is a gradient sum over its
+slice, dropout masks depend on the example, not the worker
+(trainer/learning/replica.py), so the average of a step does not depend
+on how its batch was cut, or on which worker computed which piece.
 
-A worker receives token t + 1 only after step t is applied, so it never
-runs ahead; it writes only its own row and is admitted once, so no step
-averages two of its gradients.
-
-The wire dtype (trainer/sync/wire.py) is the format of the parameters (step
-1's read) and the gradient sums (step 2's write) on the ps links; the ps
-keeps, sums and applies float32, and the step and statistics cross
-bit-exact, so the workers' rounding is the only approximation.
-
-The run's coordination around this protocol (start-up handshake, stop
-broadcast, end-of-run reports, ps shutdown) is trainer/sync/coordination.py.
+Why not plain `SyncReplicasOptimizer`: its workers take their tokens from
+one shared queue, so a fast worker can take a slow one's token and count
+twice in a step. Here every worker has its own token queue and row, and is
+admitted at most once per round.
 """
+
+import dataclasses
 
 import tensorflow as tf
 
-from trainer.learning.replica import NUM_STATS
-from trainer.sync import pull_turns
-from trainer.sync import queues
-from trainer.sync import wire
+from trainer.sync import slices as slices_lib
+from trainer.sync import state as state_lib
+from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 
-# Token that tells workers the chief has stopped the run
-# (trainer/sync/coordination.py says why).
-STOP = -1
-# Variables a checkpoint does not hold: the chief initializes them afresh
-# after every restore.
-TRANSIENT = "sync_transient_variables"
+# How much of a worker's measured speed carries over to the next round.
+SPEED_MEMORY = 0.7
 
 
-def ps_variable(name, shape, dtype, initializer, transient):
-    """A non-trainable resource variable on the current (ps) device,
-    global, and in TRANSIENT if `transient`."""
-    return tf.compat.v1.get_variable(
-        name, shape, dtype, initializer=initializer, trainable=False,
-        use_resource=True,
-        collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES] + (
-            [TRANSIENT] if transient else []))
+@dataclasses.dataclass
+class Verdict:
+    """How a round ended (tensors on ps 0)."""
 
-
-def transient_variables() -> list:
-    return tf.compat.v1.get_collection(TRANSIENT)
-
-
-def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
-    """tf.split by slices: a slice at an aligned offset shares the buffer
-    instead of copying it, so the big first piece costs nothing."""
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(tf.slice(packed, [start], [size]))
-        start += size
-    return pieces
-
-
-def _write_row(variable, row: tf.Tensor, value: tf.Tensor) -> tf.Operation:
-    """variable[row[0]] = value, as an op (no read of the result)."""
-    return tf.raw_ops.ResourceScatterUpdate(
-        resource=variable.handle, indices=row, updates=value[None])
+    complete: tf.Tensor   # bool []: every needed member pushed
+    rows: tf.Tensor       # int64 [R]: the admitted workers
 
 
 class Averaging:
-    """The averaging protocol's shared state and its steps, built alike by
-    every worker.
+    """The rule over a SharedState; the chief runs all of it."""
 
-    TensorFlow matches variables by name and queues by shared_name on the
-    ps devices, so every worker's graph addresses the same resources.
-    Worker side: pull, push, next_token, resync_step. Chief side: admit,
-    average, count_and_advance, start_op, stop_workers.
-    """
+    def __init__(self, shared: state_lib.SharedState, global_batch: int,
+                 backup_workers: int, slices: str, pull_turns):
+        self.shared, self.global_batch = shared, global_batch
+        self.backup_workers, self.slices = backup_workers, slices
+        self.pull_turns = pull_turns
+        self.device = shared.shard_devices[0]
 
-    def __init__(self, num_workers: int, replicas_to_aggregate: int,
-                 shard_sizes: list[int], shard_devices: list[str],
-                 wire_dtype=tf.float32, ordered_pulls: bool = False):
-        """
-        Args:
-          num_workers: N, every worker that computes gradients.
-          replicas_to_aggregate: R <= N, gradients averaged per step.
-          shard_sizes: floats in each parameter shard.
-          shard_devices: the ps device of each shard; shard 0 is on the
-            device that also holds the step, the queues and the statistics.
-          wire_dtype: tf.float32, tf.bfloat16 or tf.float16 (or the name):
-            the format of parameters and gradients between ps and workers
-            (trainer/sync/wire.py). Raises UserError for any other.
-          ordered_pulls: workers read each shard in turn
-            (trainer/sync/pull_turns.py).
-        """
-        self.wire_dtype = wire.wire_dtype(wire_dtype)
-        self.num_workers = num_workers
-        self.replicas = replicas_to_aggregate
-        self.shard_sizes = shard_sizes
-        self.shard_devices = shard_devices
-        self.pull_turns = pull_turns.PullTurns(num_workers, shard_devices,
-                                               ordered_pulls)
-        zeros = tf.compat.v1.zeros_initializer()
-        with tf.device(shard_devices[0]):
-            self.global_step = ps_variable("global_step", [], tf.int64, zeros,
-                                           transient=False)
-            self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
-                                       zeros, transient=False)
-            self.admitted = ps_variable("sync/admitted", [num_workers],
-                                        tf.float32, zeros, transient=True)
-            self.contributions = ps_variable(  # see count_and_advance
-                "sync/contributions", [num_workers], tf.int64, zeros, True)
-            self.stats = ps_variable("sync/stats", [num_workers, NUM_STATS],
-                                     tf.float32, zeros, transient=True)
-            self.arrivals = queues.shared_queue(  # (worker, step)
-                "sync/arrivals", [tf.int32, tf.int64], [[], []])
-            self.tokens = [queues.step_queue(f"sync/tokens_{k}")
-                           for k in range(num_workers)]
-        self.grads = []
-        for s, (size, device) in enumerate(zip(shard_sizes, shard_devices)):
-            with tf.device(device):
-                self.grads.append(ps_variable(f"sync/grads_{s}",
-                                              [num_workers, size], tf.float32,
-                                              zeros, transient=True))
+    def plan(self, step: tf.Tensor) -> tf.Tensor:
+        """Starts a round of step `step` (int64 []): slices for the roster,
+        tokens to the other members. Returns the chief's token (int64 [4])."""
+        s = self.shared
+        with tf.device(self.device):
+            members = s.roster.read_value()
+            cut = slices_lib.bounds(
+                slices_lib.weights(s.speed.read_value(), members,
+                                   self.slices), self.global_batch)
+            round_ = s.round.assign_add(1)
+            writes = [s.planned.assign(members, read_value=False),
+                      s.admitted.assign(tf.zeros_like(members),
+                                        read_value=False),
+                      s.slices.assign(cut, read_value=False),
+                      s.planned_at.assign(tf.timestamp(), read_value=False)]
+            with tf.control_dependencies(writes):
+                sent = [self._hand_out(k, step, round_, cut[k], members[k])
+                        for k in range(1, s.num_workers)]
+                sent += self.pull_turns.cover_absent(step, members)
+            with tf.control_dependencies(writes + sent):
+                return state_lib.token(step, round_, cut[0, 0], cut[0, 1])
 
-    # --- Worker side ---
+    def _hand_out(self, k, step, round_, cut, member) -> tf.Operation:
+        """Token (step, round, cut) into worker k's queue if it is a member
+        (an enqueue of 0 or 1 tokens: no cond per worker)."""
+        count = tf.cast(member > 0.5, tf.int32)
+        tokens = tf.tile(state_lib.token(step, round_, cut[0], cut[1])[None],
+                         tf.stack([count, 1]))
+        return self.shared.tokens[k].enqueue_many(tokens)
 
-    def pull(self, step: tf.Tensor, shard_variables: list,
-             ready: list | None = None) -> tuple:
-        """Reads every shard s after `step` and `ready[s]` (its pull turn,
-        PullTurns.wait) are known; returns (step, values).
+    def admit(self, step: tf.Tensor, round_: tf.Tensor) -> Verdict:
+        """Takes events until the round is complete or lost a member."""
+        s = self.shared
+        with tf.device(self.device):
+            with tf.control_dependencies([step, round_]):
+                planned = tf.reduce_sum(s.planned.read_value())
+                # Admissions are kept on the ps: an admission cancelled
+                # halfway (a session closed) goes on where it was.
+                admitted = tf.reduce_sum(s.admitted.read_value())
+            needed = tf.maximum(planned - self.backup_workers, 1.0)
 
-        `step` (int64, on ps 0) rides exact inside shard 0's tensor, which
-        its ps, like every ps its shard, rounds to the wire dtype: one
-        transfer per shard. Returns the step (int64 []) and the shard
-        values (float32 [n_s] each) on the current (worker) device.
-        """
-        dtype = self.wire_dtype
-        ready = ready or [step] * len(shard_variables)
-        with tf.device(self.shard_devices[0]), \
-                tf.control_dependencies([step, ready[0]]):
-            packed = tf.concat(
-                [wire.to_wire(shard_variables[0].read_value(), dtype),
-                 wire.bits_to_wire(tf.cast(step, tf.int64), dtype)], axis=0)
-        sent = []
-        for variable, device, after in zip(shard_variables[1:],
-                                           self.shard_devices[1:], ready[1:]):
-            with tf.device(device), tf.control_dependencies([step, after]):
-                sent.append(wire.to_wire(variable.read_value(), dtype))
-        value0, step_bits = _unpack(
-            packed, [self.shard_sizes[0], wire.exact_size(tf.int64, 1, dtype)])
-        values = [wire.from_wire(v) for v in [value0] + sent]
-        return wire.bits_from_wire(step_bits, tf.int64, []), values
+            def open_(count, aborted):
+                return tf.logical_and(count < needed, tf.logical_not(aborted))
 
-    def push(self, worker: int, step: tf.Tensor, shard_grads: list,
-             stats: tf.Tensor) -> tf.Operation:
-        """Writes worker's gradient sums and stats, then announces arrival.
+            def take_one(count, aborted):
+                fresh, lost_member = self._take_event(step, round_)
+                return (count + tf.cast(fresh, tf.float32),
+                        tf.logical_or(aborted, lost_member))
 
-        The gradients are rounded to the wire dtype here (on the worker)
-        and turned back into float32 on their ps; the stats and the step
-        ride bit-exact with shard 0's gradient.
+            count, aborted = tf.while_loop(
+                open_, take_one, [admitted, tf.constant(False)],
+                parallel_iterations=1)
+            with tf.control_dependencies([count, aborted]):
+                rows = tf.where(s.admitted.read_value() > 0.5)[:, 0]
+            return Verdict(tf.logical_not(aborted), rows)
 
-        Args:
-          worker: this worker's index k.
-          step: int64 scalar, the step the gradients belong to.
-          shard_grads: float32 [n_s] per shard, the sum over this worker's
-            examples of the per-example loss gradient.
-          stats: float32 [3], (examples, loss sum, correct predictions).
-        """
-        dtype = self.wire_dtype
-        sent = [wire.to_wire(grads, dtype) for grads in shard_grads]
-        packed = tf.concat([sent[0], wire.bits_to_wire(stats, dtype),
-                            wire.bits_to_wire(tf.cast(step, tf.int64), dtype)],
-                           axis=0)
-        row = tf.constant([worker])
-        with tf.device(self.shard_devices[0]):
-            grad0, stats_bits, step_bits = _unpack(packed, [
-                self.shard_sizes[0],
-                wire.exact_size(tf.float32, NUM_STATS, dtype),
-                wire.exact_size(tf.int64, 1, dtype)])
-            stats_ps = wire.bits_from_wire(stats_bits, tf.float32,
-                                           [NUM_STATS])
-            writes = [_write_row(self.grads[0], row, wire.from_wire(grad0)),
-                      _write_row(self.stats, row, stats_ps)]
-            step_ps = wire.bits_from_wire(step_bits, tf.int64, [])
-        for s in range(1, len(self.grads)):
-            with tf.device(self.shard_devices[s]):
-                writes.append(_write_row(self.grads[s], row,
-                                         wire.from_wire(sent[s])))
-        with tf.device(self.shard_devices[0]), \
-                tf.control_dependencies(writes):
-            return self.arrivals.enqueue((tf.constant(worker), step_ps))
+    def _take_event(self, step, round_) -> tuple:
+        """One event off sync/events, acted on. Returns (fresh push for
+        this round: bool [], a member of the round left unfinished: bool [])."""
+        s = self.shared
+        kind, worker, for_step, for_round = s.events.dequeue()
+        # Every read first, every write after them (a read racing a write
+        # of the same event would see either value).
+        roster, speed = s.roster.read_value(), s.speed.read_value()
+        inside = roster[worker] > 0.5
+        unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
+                                    s.admitted.read_value()[worker] < 0.5)
+        elapsed = tf.cast(tf.timestamp() - s.planned_at.read_value(),
+                          tf.float32)
+        examples = s.stats.read_value()[worker][0]
+        pushed = tf.equal(kind, PUSHED)
+        fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
+            tf.equal(for_step, step), tf.equal(for_round, round_)),
+            unfinished))
+        # A push from outside the roster is a worker we gave up on that is
+        # alive after all: it joins again.
+        joins = tf.logical_and(tf.logical_or(tf.equal(kind, JOINED), pushed),
+                               tf.logical_not(inside))
+        leaves = tf.logical_and(
+            tf.logical_or(tf.equal(kind, LOST), tf.equal(kind, LEAVING)),
+            tf.logical_and(inside, worker > 0))
+        # A member joining again was restarted: its old self will never
+        # push for this round.
+        restarted = tf.logical_and(tf.equal(kind, JOINED), inside)
+        roster_now = tf.where(joins, 1.0, tf.where(leaves, 0.0,
+                                                   roster[worker]))
+        members = tf.cast(tf.reduce_sum(roster) - roster[worker]
+                          + roster_now, tf.int32)
+        measured = examples / tf.maximum(elapsed, 1e-6)
+        speed_now = tf.where(speed[worker] > 0, SPEED_MEMORY * speed[worker]
+                             + (1 - SPEED_MEMORY) * measured, measured)
+        changed = tf.logical_or(joins, leaves)
+        one = worker[None]
+        with tf.control_dependencies([roster_now, members, speed_now,
+                                      unfinished]):
+            ops = [
+                _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
+                _set(s.speed, one, tf.where(fresh, speed_now, speed[worker])),
+                _set(s.roster, one, roster_now),
+                s.dropped.assign_add(tf.cast(tf.logical_and(
+                    pushed, tf.logical_not(fresh)), tf.int64),
+                    read_value=False),
+                _put_if(s.membership, tf.logical_or(changed, restarted), (
+                    step, tf.where(leaves, kind, JOINED), worker, members))]
+        with tf.control_dependencies(ops):
+            lost_member = tf.logical_and(tf.logical_or(leaves, restarted),
+                                         unfinished)
+            return tf.identity(fresh), lost_member
 
-    def next_token(self, worker: int) -> tf.Tensor:
-        """Waits for the next step number from the chief (int64 scalar).
+    def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
+        """After a round that lost a member: lets through every pull that
+        waits for a turn (a member stuck behind the lost one in an order
+        of --ordered_pulls), so it pushes, stale, and takes the new round's
+        token. Returns step (int64 [])."""
+        with tf.device(self.device), tf.control_dependencies(
+                self.pull_turns.release_all()):
+            return tf.identity(step)
 
-        A backup worker that fell behind finds several tokens queued; it
-        takes them all and goes on with the newest, so it does not work
-        through steps that are already over.
-        """
-        queue = self.tokens[worker]
-        with tf.device(self.shard_devices[0]):
-            available = tf.maximum(queue.size(), 1)
-            return queue.dequeue_many(available)[-1]
+    def absorb_queued(self) -> tf.Tensor:
+        """Acts on the events queued now, without waiting (joins before the
+        first step). Returns the roster after them (float32 [N])."""
+        s = self.shared
+        with tf.device(self.device):
+            step, round_ = s.global_step.read_value(), s.round.read_value()
+            queued = s.events.size()
 
-    def resync_step(self, worker: int) -> tf.Tensor:
-        """The step to work on after a (re)start: drop stale tokens, then
-        read the global step (int64 scalar); with ordered pulls, also take
-        the turn for it (PullTurns.take_own)."""
-        queue = self.tokens[worker]
-        with tf.device(self.shard_devices[0]):
-            drained = queue.dequeue_many(queue.size())
-            with tf.control_dependencies([drained]):
-                step = self.global_step.read_value()
-            with tf.control_dependencies(
-                    self.pull_turns.take_own(worker, step)):
-                return tf.identity(step)
+            def take(i):
+                fresh, _ = self._take_event(step, round_)
+                with tf.control_dependencies([fresh]):
+                    return [i + 1]
 
-    # --- Chief side ---
-
-    def admit(self, step: tf.Tensor) -> tf.Tensor:
-        """Takes arrivals until R distinct workers have arrived for `step`.
-
-        Returns the admitted rows (int64 [R]). A stale arrival (another
-        step) is dropped and counted; a second one from an admitted worker
-        (a restarted worker redoing its step) is ignored.
-        """
-        with tf.device(self.shard_devices[0]):
-            with tf.control_dependencies([step]):
-                admitted0 = tf.cast(
-                    tf.reduce_sum(self.admitted.read_value()), tf.int32)
-
-            def wait_for_more(count):
-                return count < self.replicas
-
-            def admit_one(count):
-                worker, arrived_for = self.arrivals.dequeue()
-                seen = tf.gather(self.admitted.read_value(), worker) > 0.5
-                fresh = tf.logical_and(tf.equal(arrived_for, step),
-                                       tf.logical_not(seen))
-                stale = tf.not_equal(arrived_for, step)
-                mark = tf.raw_ops.ResourceScatterMax(
-                    resource=self.admitted.handle, indices=worker[None],
-                    updates=tf.cast(fresh, tf.float32)[None])
-                count_drop = self.dropped.assign_add(
-                    tf.cast(stale, tf.int64), read_value=False)
-                with tf.control_dependencies([mark, count_drop]):
-                    return count + tf.cast(fresh, tf.int32)
-
-            (admitted,) = tf.while_loop(wait_for_more, admit_one, [admitted0],
-                                        parallel_iterations=1)
-            with tf.control_dependencies([admitted]):
-                return tf.where(self.admitted.read_value() > 0.5)[:, 0]
+            (taken,) = tf.while_loop(lambda i: i < queued, take,
+                                     [tf.constant(0)], parallel_iterations=1)
+            with tf.control_dependencies([taken]):
+                return s.roster.read_value()
 
     def average(self, rows: tf.Tensor) -> tuple[list, tf.Tensor]:
         """The example-weighted mean of the gradients in `rows` (admit).
@@ -279,65 +208,44 @@ class Averaging:
           mean_grads: float32 [n_s] per shard, each on its ps.
           stats: float32 [3], summed over the admitted workers.
         """
-        with tf.device(self.shard_devices[0]):
-            stats = tf.reduce_sum(self.stats.sparse_read(rows), axis=0)
+        s = self.shared
+        with tf.device(self.device):
+            stats = tf.reduce_sum(s.stats.sparse_read(rows), axis=0)
         mean_grads = []
-        for grads, device in zip(self.grads, self.shard_devices):
+        for grads, device in zip(s.grads, s.shard_devices):
             with tf.device(device):
                 mean_grads.append(
                     tf.reduce_sum(grads.sparse_read(rows), axis=0) / stats[0])
         return mean_grads, stats
 
     def count_and_advance(self, step: tf.Tensor, after: list) -> tf.Tensor:
-        """After `after` (the update), counts the admitted gradients,
-        advances the step and wakes the other workers.
-
-        Returns step + 1 (int64 scalar on ps 0), available only once every
-        worker's token for it is queued.
-        """
-        with tf.device(self.shard_devices[0]):
-            next_step = step + 1
-            # Counted on the ps with the step itself: exact even when a
-            # worker's session broke after pushing (it lost its own count).
-            with tf.control_dependencies(after):
-                counted = self.contributions.assign_add(tf.cast(
-                    self.admitted.read_value() > 0.5, tf.int64),
-                    read_value=False)
+        """After `after` (the update): counts the admitted workers and sets
+        global_step = step + 1, which it returns (int64 [] on ps 0)."""
+        s = self.shared
+        with tf.device(self.device), tf.control_dependencies(after):
+            counted = s.contributions.assign_add(
+                tf.cast(s.admitted.read_value() > 0.5, tf.int64),
+                read_value=False)
             with tf.control_dependencies([counted]):
-                advance = [
-                    self.global_step.assign(next_step, read_value=False),
-                    self.admitted.assign(tf.zeros([self.num_workers]),
-                                         read_value=False)]
-            with tf.control_dependencies(advance):
-                wake = [queue.enqueue(next_step) for queue in self.tokens[1:]]
-            with tf.control_dependencies(advance + wake):
-                return tf.identity(next_step)
+                advance = s.global_step.assign(step + 1, read_value=False)
+            with tf.control_dependencies([advance]):
+                return tf.identity(step + 1)
 
-    def start_op(self, after: list = ()) -> tf.Operation:
-        """Run by the chief after init or restore, before marking ready.
 
-        Forgets admissions and arrivals of an interrupted step, then (after
-        `after` too) hands every worker the current step, which also
-        releases workers that were waiting for a step a previous chief
-        never finished (and, with ordered pulls, for a turn it never
-        passed).
-        """
-        with tf.device(self.shard_devices[0]):
-            reset = [
-                self.admitted.assign(tf.zeros([self.num_workers]),
-                                     read_value=False),
-                self.arrivals.dequeue_many(self.arrivals.size())[0].op,
-                *self.pull_turns.release_all(), *after]
-            with tf.control_dependencies(reset):
-                step = self.global_step.read_value()
-                return tf.group([queue.enqueue(step)
-                                 for queue in self.tokens[1:]])
+def _scatter_max(variable, index, value) -> tf.Operation:
+    return tf.raw_ops.ResourceScatterMax(resource=variable.handle,
+                                         indices=index, updates=value[None])
 
-    def stop_workers(self, after: list) -> tf.Operation:
-        """After `after`, hands every other worker the STOP token (and
-        lets through any that waits for a pull turn)."""
-        with tf.device(self.shard_devices[0]):
-            with tf.control_dependencies([*after,
-                                          *self.pull_turns.release_all()]):
-                return tf.group([queue.enqueue(tf.constant(STOP, tf.int64))
-                                 for queue in self.tokens[1:]])
+
+def _set(variable, index, value) -> tf.Operation:
+    """variable[index] = value (float32 [])."""
+    return tf.raw_ops.ResourceScatterUpdate(
+        resource=variable.handle, indices=index, updates=value[None])
+
+
+def _put_if(queue, when: tf.Tensor, record: tuple) -> tf.Operation:
+    """Enqueues `record` (scalars) if `when` (bool []), without a cond."""
+    count = tf.cast(when, tf.int32)
+    return queue.enqueue_many([
+        tf.fill([count], tf.cast(v, d)) for v, d in
+        zip(record, (tf.int64, tf.int32, tf.int32, tf.int32))])

@@ -4,9 +4,16 @@
   with its own description of the cluster and the run, but only the chief
   initializes it, last of all. A worker that sees it initialized knows the
   chief is ready and compares the chief's text with its own.
+- Membership: a worker joins by putting JOINED on `sync/events` (after
+  dropping tokens left from before), and leaves on SIGTERM with LEAVING;
+  the chief's membership watch reports a lost one with LOST
+  (trainer/roles/membership.py). The rule acts on them
+  (trainer/sync/averaging.py).
+- Start: a (re)started chief hands every worker REJOIN, so that the
+  workers still running join its run again.
 - Stop: the chief writes a reason into `sync/stop_reason` and hands every
-  worker the STOP token (Averaging.stop_workers); a worker that draws STOP
-  reads the reason and logs it.
+  worker the STOP token; a worker that draws STOP reads the reason and
+  logs it. At the normal end it hands every worker the final step.
 - End-of-run reports: each worker puts (k, gradients it pushed) on
   `sync/finished`; the chief takes them for results.json.
 - Shutdown: each ps task waits on its own queue `shutdown/ps_<i>`; the
@@ -15,8 +22,9 @@
 
 import tensorflow as tf
 
-from trainer.sync import averaging
 from trainer.sync import queues
+from trainer.sync import state as state_lib
+from trainer.sync.state import JOINED, LEAVING, LOST, REJOIN, STOP
 
 
 def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
@@ -32,16 +40,20 @@ class RunCoordination:
     """Handshake, stop, reports: the shared state on ps 0 that is not
     averaging. Every worker builds it alike, under ps 0's device."""
 
-    def __init__(self, device: str, fingerprint: str):
+    def __init__(self, shared: state_lib.SharedState, pull_turns,
+                 fingerprint: str):
         """
         Args:
-          device: ps 0's device, which also holds the global step.
+          shared: the protocol's state; its ps 0 also holds ours.
+          pull_turns: the ordered pulls' turns (released on start, stop).
           fingerprint: text that describes the cluster and the run; every
             worker compares its own with the chief's before training.
         """
-        self.device, self.fingerprint = device, fingerprint
+        self.shared, self.pull_turns = shared, pull_turns
+        self.device = device = shared.shard_devices[0]
+        self.fingerprint = fingerprint
         with tf.device(device):
-            self.stop_reason = averaging.ps_variable(
+            self.stop_reason = state_lib.ps_variable(
                 "sync/stop_reason", [], tf.string,
                 tf.compat.v1.constant_initializer(""), transient=True)
             # Not a global variable: the chief initializes it last, so a
@@ -70,6 +82,21 @@ class RunCoordination:
         with tf.device(self.device):
             return self.stop_reason.read_value()
 
+    def join_op(self, worker: int) -> tf.Operation:
+        """Drops worker's stale tokens, then asks the chief in."""
+        drained = self.shared.drain_tokens(worker)
+        with tf.control_dependencies([drained]):
+            return self.shared.send_event(JOINED, worker)
+
+    def leave_op(self, worker: int) -> tf.Operation:
+        """Tells the chief that worker leaves now (SIGTERM)."""
+        return self.shared.send_event(LEAVING, worker)
+
+    def tokens_waiting(self, worker: int) -> tf.Tensor:
+        """int32 []: tokens in worker's queue."""
+        with tf.device(self.device):
+            return self.shared.tokens[worker].size()
+
     def report_finished(self, worker: int,
                         pushed: tf.Tensor) -> tf.Operation:
         """Tells the chief that `worker` ended after pushing `pushed`
@@ -79,20 +106,42 @@ class RunCoordination:
 
     # --- Chief side ---
 
-    def clear_stop_op(self) -> tf.Operation:
-        """Forgets the reason a previous chief stopped (see start_op)."""
+    def start_op(self) -> tf.Operation:
+        """Run by the chief after init or restore, before marking ready:
+        forgets the events and the stop of a previous chief, lets through
+        any pull that waits for a turn, and asks every worker still running
+        to join again (REJOIN)."""
         with tf.device(self.device):
-            return self.stop_reason.assign("", read_value=False)
+            events = self.shared.events
+            reset = [events.dequeue_many(events.size())[0].op,
+                     self.stop_reason.assign("", read_value=False),
+                     *self.pull_turns.release_all()]
+            return self.shared.give_all(state_lib.token(REJOIN), reset)
 
     def mark_ready_op(self) -> tf.Operation:
         return self.cluster_fingerprint.initializer
 
-    def stop_op(self, reason: tf.Tensor,
-                sync: averaging.Averaging) -> tf.Operation:
+    def stop_op(self, reason: tf.Tensor) -> tf.Operation:
         """Tells every worker to stop, with a reason they will log."""
         with tf.device(self.device):
-            return sync.stop_workers(
-                [self.stop_reason.assign(reason, read_value=False)])
+            told = [self.stop_reason.assign(reason, read_value=False),
+                    *self.pull_turns.release_all()]
+            return self.shared.give_all(state_lib.token(STOP), told)
+
+    def end_op(self) -> tf.Operation:
+        """Hands every worker the final global step: training is over."""
+        with tf.device(self.device):
+            final = self.shared.global_step.read_value()
+            return self.shared.give_all(state_lib.token(final))
+
+    def halt_op(self) -> tf.Operation:
+        """Ends the chief's training loop at the next step boundary."""
+        with tf.device(self.device):
+            return self.shared.halt.assign(1, read_value=False)
+
+    def lost_op(self, worker: tf.Tensor) -> tf.Operation:
+        """Reports worker (int32 []) lost: the chief's membership watch."""
+        return self.shared.send_event(LOST, worker)
 
     def take_reports(self) -> tuple:
         """Dequeues the end-of-run reports queued so far, without waiting:

@@ -21,8 +21,10 @@ steps are stale: taken and skipped); its predecessor in that order puts t
 there once its own copy of shard s for step t has arrived. The first
 worker of each order (worker 0 for shard 0) never waits.
 
-A turn lost with a process must not hold up the workers after it:
-  * a (re)started worker gives itself the turn for its first step;
+A turn lost with a process, or never passed by a worker that is not in
+the round, must not hold up the workers after it:
+  * when the chief plans a round, it gives the turn itself to every member
+    whose predecessor in an order is not a member (`cover_absent`);
   * a (re)started chief, and a chief that stops the run, put RELEASE in
     every queue, which lets a waiting worker through whatever step it
     waits for. Its gradient counts if the new chief resumed at that very
@@ -30,6 +32,10 @@ A turn lost with a process must not hold up the workers after it:
     stale one (trainer/sync/averaging.py); either way only its pull was out of
     order. A RELEASE nobody waited for lets one later pull through out
     of order, which costs nothing.
+
+When a round is planned again for the same step (a member left), the
+members pass their turns again; a turn left over from the first round
+lets a pull through early, which costs only the order.
 
 Backup workers and ordered pulls do not mix (trainer/common/config.py refuses
 it): a late worker would hold back the pulls of every worker after it.
@@ -94,11 +100,20 @@ class PullTurns:
                 passes.append(self.queues[s, following].enqueue(step))
         return passes
 
-    def take_own(self, worker: int, step: tf.Tensor) -> list:
-        """Ops giving `worker` itself its turns for `step`, after a
-        (re)start: the ones its predecessors passed may have gone to the
-        process it replaces."""
-        return self._put(step, [worker])
+    def cover_absent(self, step: tf.Tensor, members: tf.Tensor) -> list:
+        """Ops giving each member (members: float32 [N], 1 = in the round)
+        whose predecessor in a shard's order is out its turn for `step`:
+        an enqueue of 0 or 1 turns each, so no cond per worker."""
+        ops = []
+        for (s, k), queue in self.queues.items():
+            if k == self._first(s):
+                continue
+            before = (k - 1) % self.num_workers
+            count = tf.cast(tf.logical_and(members[k] > 0.5,
+                                           members[before] < 0.5), tf.int32)
+            with tf.device(self.devices[s]):
+                ops.append(queue.enqueue_many(tf.fill([count], step)))
+        return ops
 
     def release_all(self) -> list:
         """Ops that let every waiting worker through (module docstring)."""

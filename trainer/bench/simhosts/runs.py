@@ -32,6 +32,13 @@ class HostSettings:
     link_rate: str         # tc syntax, e.g. "1gbit"
     ps_placement: str = "separate"  # or colocated: ps k on worker k's host
     straggler: bool = False  # the last worker's host drops to a tenth
+    # One budget per worker host (--host_cpu=0.3,0.3,0.15,0.15); empty:
+    # every worker host has host_cpu.
+    worker_cpus: tuple = ()
+
+    def worker_cpu(self, k: int) -> float:
+        """Cores of worker k's host."""
+        return self.worker_cpus[k] if self.worker_cpus else self.host_cpu
 
     @property
     def link_rate_bps(self) -> int:
@@ -60,7 +67,8 @@ class Watches:
 
     def __init__(self, sim: HostSettings, hosts: list, worker_hosts: list):
         self.hosts, self.start = hosts, None
-        self.straggler = (Straggler(worker_hosts[-1], sim.host_cpu)
+        last = len(worker_hosts) - 1
+        self.straggler = (Straggler(worker_hosts[-1], sim.worker_cpu(last))
                           if sim.straggler and len(worker_hosts) > 1
                           else None)
 
@@ -89,7 +97,7 @@ def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
     """Hosts and addresses of a ps run: (ps hosts, worker hosts, ps
     addresses, worker addresses). Colocated: ps k on worker k's host, on
     the next port."""
-    wk = [net.add_host(f"w{k}", sim.host_cpu, sim.link_rate)
+    wk = [net.add_host(f"w{k}", sim.worker_cpu(k), sim.link_rate)
           for k in range(workers)]
     if sim.ps_placement == "colocated":
         # ps k beside worker k + 1 (mod N): ps 0 (the step, the queues and
@@ -120,7 +128,8 @@ def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
         env = processes.child_env(PS_HOSTS=",".join(ps_addresses),
                                   WORKER_HOSTS=",".join(worker_addresses),
                                   PYTHON=sys.executable)
-        flags = [*s.train_flags, *threads, f"--logdir={logdir}"]
+        flags = [*s.train_flags, *threads, f"--logdir={logdir}",
+                 f"--min_workers={workers}"]  # all in from the first step
         with contextlib.ExitStack() as logs:
 
             def start(host, script, index, log_name=None):
@@ -182,7 +191,7 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                                    inter_op_threads=1)
     num_ps = peers.ps_tasks(kind, s.num_ps)
     with hosts_lib.SimulatedHosts() as net:
-        placed = {"worker": [net.add_host(f"w{k}", sim.host_cpu,
+        placed = {"worker": [net.add_host(f"w{k}", sim.worker_cpu(k),
                                           sim.link_rate)
                              for k in range(workers)],
                   "ps": [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)

@@ -1,0 +1,225 @@
+"""Elastic training on loopback: workers leave, join and get slices of any
+size, and every step still averages the whole global batch.
+
+Each run is compared with an uninterrupted one-worker run of the same
+flags: parameters and Adam's slots must agree to float rounding (who
+computes which slice changes only the order of the sums; one and four
+workers already differ by about 2e-5 after 600 steps).
+"""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from tests import helpers
+from tests.test_cluster_runs import final_parameters, max_relative_difference
+
+pytestmark = pytest.mark.cluster
+STEPS = 600
+TIMEOUT = 5   # --worker_timeout_secs
+FLAGS = ("--model=mlp", "--hidden_units=1024", "--batch_size=64",
+         f"--train_steps={STEPS}", "--seed=3", "--log_every=20",
+         "--checkpoint_every=100", f"--worker_timeout_secs={TIMEOUT}")
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return helpers.fake_mnist(tmp_path_factory.mktemp("data"), train=2000)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """Parameters and slots of the same training on one worker."""
+    logdir = tmp_path_factory.mktemp("reference")
+    result = helpers.launch(logdir, data, 1, *FLAGS, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return final_parameters(logdir)
+
+
+@pytest.fixture
+def cluster(tmp_path, data):
+    made = []
+
+    def make(num_workers, *extra):
+        c = helpers.ManualCluster(tmp_path, 1, num_workers, *FLAGS,
+                                  f"--data_dir={data}", "--nodownload",
+                                  f"--logdir={tmp_path / 'logs'}", *extra)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def assert_exact(logdir, reference) -> dict:
+    """The run ended at STEPS with the reference's parameters and slots;
+    returns its results.json."""
+    results = json.loads((logdir / "results.json").read_text())
+    assert results["global_step"] == STEPS
+    parameters = final_parameters(logdir)
+    assert any(name.endswith("/m") for name in parameters)  # Adam's slots
+    difference = max_relative_difference(reference, parameters)
+    print(f"largest relative difference from one worker: {difference:.3g}")
+    assert difference <= TOLERANCE
+    return results
+
+
+def steps_logged(log: str) -> list[int]:
+    return [int(s) for s in re.findall(r"step (\d+)/\d+  loss", log)]
+
+
+def log_time(line_pattern: str, log: str) -> float:
+    """Seconds since midnight of the first absl line matching the pattern."""
+    for line in log.splitlines():
+        if re.search(line_pattern, line):
+            h, m, s = re.match(r"[IWE]\d{4} (\d+):(\d+):([\d.]+)",
+                               line).groups()
+            return 3600 * int(h) + 60 * int(m) + float(s)
+    raise AssertionError(f"no /{line_pattern}/ in:\n{log[-3000:]}")
+
+
+def seconds_since_midnight() -> float:
+    now = time.localtime()
+    return (3600 * now.tm_hour + 60 * now.tm_min + now.tm_sec
+            + time.time() % 1)
+
+
+@contextlib.contextmanager
+def frozen(c, names):
+    """SIGSTOPs the tasks while inside (SIGCONT on the way out): a long
+    run on a fast model, so that a new worker joins before the end."""
+    for name in names:
+        os.killpg(c.processes[name].pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for name in names:
+            os.killpg(c.processes[name].pid, signal.SIGCONT)
+
+
+def start_and_ask(c, workers) -> None:
+    """Starts the workers and waits until each has asked to be taken in."""
+    for k in workers:
+        c.start("worker", k)
+    for k in workers:
+        c.wait_for(f"worker{k}", rf"worker {k} asked the chief to take it "
+                                 "in")
+
+
+def joined_all(c, workers) -> None:
+    """Waits until the chief has logged each worker joining."""
+    for k in workers:
+        c.wait_for("worker0", rf"worker {k} \(localhost:\d+\) joined at")
+
+
+@pytest.mark.parametrize("order", ["", "--ordered_pulls"])
+def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
+        cluster, tmp_path, reference, order):
+    c = cluster(4, *filter(None, [order]))
+    c.start("ps", 0)
+    for k in range(4):
+        c.start("worker", k)
+    joined_all(c, [1, 2, 3])
+    c.wait_for("worker0", r"step (1\d\d|[2-5]\d\d)/")
+    killed_at = seconds_since_midnight()
+    c.kill("worker2")
+    left = c.wait_for("worker0", r"worker 2 \(localhost:\d+\) left at step "
+                      r"(\d+).*; 3 workers carry the global batch of 64")
+    assert int(left.group(1)) >= 100
+    # The lost worker's examples went to the others without waiting out
+    # the timeout: its port refused connections.
+    noticed = log_time(r"worker 2 .* left at step", c.log("worker0"))
+    print(f"worker 2 left {noticed - killed_at:.1f} s after the kill")
+    assert noticed - killed_at <= TIMEOUT + 2
+    c.wait_for("worker0", r"step ([3-5]\d\d)/")
+    # The others wait while worker 2 starts (the mlp would end first).
+    with frozen(c, ["worker0", "worker1", "worker3"]):
+        start_and_ask(c, [2])
+    c.wait_for("worker0", r"worker 2 \(localhost:\d+\) joined at step "
+                          r"([3-5]\d\d)")
+    assert [c.wait(n) for n in ("worker0", "worker1", "worker3", "ps0",
+                                "worker2")] == [0] * 5
+    assert c.starts == {"ps0": 0, "worker0": 0, "worker1": 0, "worker2": 1,
+                        "worker3": 0}
+    steps = steps_logged(c.log("worker0"))
+    assert steps == sorted(steps)  # the global step never went back
+    results = assert_exact(tmp_path / "logs", reference)
+    print("membership:", results["membership"])
+    events = [(r["event"], r["worker"]) for r in results["membership"]]
+    left = events.index(("left", 2))
+    assert ("joined", 2) in events[left + 1:]
+
+
+def test_a_run_that_starts_with_the_chief_alone_takes_in_three_workers(
+        cluster, tmp_path, reference):
+    c = cluster(4)
+    c.start("ps", 0)
+    c.start("worker", 0)
+    c.wait_for("worker0", r"step (1\d\d|[2-4]\d\d)/")
+    with frozen(c, ["worker0"]):  # the chief alone would end first
+        start_and_ask(c, [1, 2, 3])
+    for k in (1, 2, 3):
+        joined = c.wait_for("worker0", rf"worker {k} \(localhost:\d+\) "
+                                       r"joined at step (\d+)")
+        assert int(joined.group(1)) >= 100
+    assert [c.wait(f"worker{k}") for k in range(4)] == [0] * 4
+    assert c.wait("ps0") == 0
+    results = assert_exact(tmp_path / "logs", reference)
+    assert results["averaged_steps"]["0"] == STEPS
+    assert all(0 < results["averaged_steps"][str(k)] < STEPS - 100
+               for k in (1, 2, 3))
+
+
+def test_sigterm_makes_a_worker_leave_at_once(cluster, tmp_path, reference):
+    c = cluster(3, "--worker_timeout_secs=120", "--slices=equal")
+    c.start("ps", 0)
+    for k in range(3):
+        c.start("worker", k)
+    joined_all(c, [1, 2])
+    c.wait_for("worker0", r"step (1\d\d|[2-4]\d\d)/")
+    signalled = time.monotonic()
+    c.processes["worker1"].send_signal(signal.SIGTERM)
+    assert c.wait("worker1", timeout=10) == 143
+    exited_after = time.monotonic() - signalled
+    c.wait_for("worker0", r"worker 1 \(localhost:\d+\) left at step \d+; it "
+                          r"was stopped \(SIGTERM\); 2 workers carry")
+    left_after = time.monotonic() - signalled
+    print(f"worker 1 exited {exited_after:.1f} s and was out "
+          f"{left_after:.1f} s after SIGTERM")
+    assert exited_after <= 2.0
+    assert left_after < 120   # no timeout waited out
+    assert [c.wait(n) for n in ("worker0", "worker2", "ps0")] == [0, 0, 0]
+    assert_exact(tmp_path / "logs", reference)
+
+
+def test_sigterm_to_the_chief_saves_where_it_is_then_resumes(
+        cluster, tmp_path, reference):
+    c = cluster(2, "--min_workers=2")
+    c.start("ps", 0)
+    for k in range(2):
+        c.start("worker", k)
+    c.wait_for("worker0", r"step (2[5-9]\d|3\d\d)/")
+    c.processes["worker0"].send_signal(signal.SIGTERM)
+    assert c.wait("worker0", timeout=90) == 143
+    assert c.wait("ps0", timeout=30) == 1
+    assert c.wait("worker1", timeout=30) == 1
+    log = c.log("worker0")
+    at = int(re.search(r"the chief was sent SIGTERM at global step (\d+)",
+                       log).group(1))
+    saved = int(re.search(r"saved a checkpoint at step (\d+)", log).group(1))
+    print(f"SIGTERM at step {at}: saved step {saved}")
+    assert at <= saved <= at + 5
+    assert (tmp_path / "logs" / f"model.ckpt-{saved}.index").exists()
+    c.start("ps", 0)
+    for k in range(2):
+        c.start("worker", k)
+    assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
+    assert f"(global step {saved})" in c.log("worker0")
+    assert_exact(tmp_path / "logs", reference)

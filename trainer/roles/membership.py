@@ -1,0 +1,172 @@
+"""The chief's membership watch: who is in, who is lost, what it logs.
+
+The training loop runs inside the graph, so while the chief's session.run
+blocks, a member that died leaves its round waiting in the admission
+loop. This thread reads the round every CHECK_SECS (the same session,
+concurrently) and reports a member lost (a LOST event, which the rule in
+trainer/sync/averaging.py acts on: it plans the step again without it):
+
+- at once when its port refuses connections (the process is gone);
+- after --worker_timeout_secs without its gradient otherwise (a host cut
+  off or frozen does not refuse: only the timeout tells).
+
+It also logs every change the rule records (one line each), keeps them for
+results.json, writes the worker count and each slice to TensorBoard, and
+calls `on_unreachable` when ps 0 has not answered for
+--worker_timeout_secs. (Below --min_workers the chief's training loop
+itself stops: trainer/roles/step.py.)
+"""
+
+import dataclasses
+import socket
+import threading
+import time
+from typing import Callable
+
+from absl import logging
+import numpy as np
+
+from trainer.cluster.spec import split_address
+from trainer.observe import progress
+from trainer.roles.watchdog import _BoundedRead
+from trainer.sync.state import EVENT_NAMES, LEAVING
+
+CHECK_SECS = 0.5
+PROBE_AFTER_SECS = 1.0   # a member this late gets its port probed
+STALL_SECS = 3.0         # a longer gap between checks: we did not run
+
+
+@dataclasses.dataclass
+class _Round:
+    step: int
+    round: int
+    planned: np.ndarray    # float32 [N]
+    admitted: np.ndarray   # float32 [N]
+    roster: np.ndarray     # float32 [N]
+    slices: np.ndarray     # int64 [N, 2]
+
+
+class MembershipWatch:
+    """A thread beside the chief's training runs (a context manager)."""
+
+    def __init__(self, read: Callable, take_records: Callable,
+                 report_lost: Callable[[int], None], cluster,
+                 config, writer,
+                 on_unreachable: Callable[[int | None, str], None]):
+        """
+        Args:
+          read: () -> dict of step, round, planned, admitted, roster,
+            slices (numpy values of the ops in ChiefOps).
+          take_records: () -> (step, kind, worker, members) arrays.
+          report_lost: worker -> None, sends LOST for it.
+          cluster: the ClusterSpec (names workers in the log).
+          config: the TrainConfig (timeouts, min_workers, log_every).
+          writer: a FileWriter for membership scalars, or None.
+        """
+        self._read = _BoundedRead(lambda: _Round(**read()))
+        self._take, self._report_lost = take_records, report_lost
+        self._cluster, self._config, self._writer = cluster, config, writer
+        self._on_unreachable = on_unreachable
+        self.records = []        # {"step", "event", "worker", "workers"}
+        self.reasons = {}        # worker -> why we reported it lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True,
+                                        name="membership")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=CHECK_SECS * 8)
+        self.take_records()   # what the last rounds recorded
+
+    def take_records(self) -> None:
+        """Logs and keeps the roster changes recorded so far."""
+        steps, kinds, workers, members = self._take()
+        for step, kind, worker, count in zip(steps, kinds, workers, members):
+            self._log_change(int(step), int(kind), int(worker), int(count))
+
+    def _log_change(self, step, kind, worker, count) -> None:
+        event = EVENT_NAMES[kind]
+        why = ("; it was stopped (SIGTERM)" if kind == LEAVING
+               else self.reasons.pop(worker, "") if event == "left" else "")
+        carry = "1 worker carries" if count == 1 else f"{count} workers carry"
+        logging.info("%s %s at step %d%s; %s the global batch of %d",
+                     self._cluster.describe("worker", worker), event, step,
+                     why, carry, self._config.batch_size)
+        self.records.append({"step": step, "event": event, "worker": worker,
+                             "workers": count})
+        progress.write_scalars(self._writer, step,
+                               {"membership/workers": count})
+
+    def _watch(self) -> None:
+        key, since, failing_since = None, time.monotonic(), None
+        reported, logged_step = set(), -1
+        timeout = self._config.worker_timeout_secs
+        last = time.monotonic()
+        while not self._stop.wait(CHECK_SECS):
+            now = time.monotonic()
+            if now - last > STALL_SECS:
+                # This process did not run (stopped, swapped out): the
+                # time lost is not the workers' lateness.
+                since, failing_since = now, None
+            last = now
+            try:
+                state = self._read()
+                self.take_records()
+            except Exception:  # noqa: BLE001 (any failure: no answer)
+                failing_since = failing_since or now
+                if now - failing_since >= timeout:
+                    self._on_unreachable(key and key[0], self._cluster.describe(
+                        "ps", 0) + ", which does not answer")
+                    return
+                continue
+            failing_since = None
+            if (state.step, state.round) != key:
+                key, since, reported = (state.step, state.round), now, set()
+            logged_step = self._write_slices(state, logged_step)
+            for k in self._late(state):
+                if k in reported:
+                    continue
+                late = now - since
+                if late >= timeout:
+                    self.reasons[k] = (f" (no gradient for step {state.step} "
+                                       f"in {timeout:.0f} s, "
+                                       "--worker_timeout_secs)")
+                elif late >= PROBE_AFTER_SECS and self._refuses(k):
+                    self.reasons[k] = " (its port refuses connections)"
+                else:
+                    continue
+                reported.add(k)
+                self._report_lost(k)
+
+    @staticmethod
+    def _late(state: _Round) -> list[int]:
+        """Members of the round (not the chief) that have not pushed."""
+        return [k for k in range(1, len(state.planned))
+                if state.planned[k] > 0.5 and state.admitted[k] < 0.5]
+
+    def _refuses(self, k: int) -> bool:
+        """True if worker k's port actively refuses a connection."""
+        host, port = split_address(self._cluster.workers[k], "worker")
+        try:
+            socket.create_connection((host.strip("[]"), port),
+                                     timeout=0.5).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+        return False
+
+    def _write_slices(self, state: _Round, logged_step: int) -> int:
+        """Each worker's slice, once per --log_every steps."""
+        every = self._config.log_every
+        if self._writer is None or state.step // every == logged_step // every:
+            return logged_step
+        sizes = state.slices[:, 1] - state.slices[:, 0]
+        progress.write_scalars(self._writer, state.step, {
+            f"membership/slice_{k}": int(size) * float(state.planned[k] > 0.5)
+            for k, size in enumerate(sizes)})
+        return state.step

@@ -1,0 +1,87 @@
+"""How the chief cuts a global batch among the workers that are in.
+
+Each member gets a contiguous slice of at least one example; the slices
+cover the batch exactly once, in worker order. With `--slices=equal` the
+sizes differ by at most one; with `--slices=balanced` they follow each
+worker's measured speed (examples per second over its recent rounds), so
+that every member needs about the same time for its slice and a step takes
+about global batch / (sum of speeds). Which worker computes which example
+does not change the average (trainer/learning/replica.py), so this is a
+choice of speed only, never of the result.
+
+`bounds` is the graph version the chief runs; `bounds_np` the same
+arithmetic in NumPy, for tests and docs.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+BALANCED, EQUAL = "balanced", "equal"
+MODES = (BALANCED, EQUAL)
+
+
+def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
+    """Each member's share weight (float32 [N]; 0 for non-members).
+
+    A member not measured yet (speed 0) counts as the mean measured speed,
+    or 1 when nobody is measured.
+    """
+    inside = members > 0.5
+    if mode == EQUAL:
+        return tf.where(inside, tf.ones_like(speed), tf.zeros_like(speed))
+    measured = tf.logical_and(inside, speed > 0)
+    count = tf.reduce_sum(tf.cast(measured, tf.float32))
+    mean = tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(measured, speed, tf.zeros_like(speed))), count)
+    fill = tf.where(count > 0, mean, 1.0)
+    return tf.where(inside, tf.where(speed > 0, speed, fill),
+                    tf.zeros_like(speed))
+
+
+def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
+    """[first, end) per worker (int64 [N, 2]) of a global batch cut in
+    proportion to `weight` (float32 [N]; 0: not a member, empty slice).
+
+    Each member's share is rounded down, but to at least one example; an
+    excess from that is taken back one by one from the largest slices,
+    and what rounding left over goes one by one to the members with the
+    largest remainders (ties: the lower index).
+    """
+    member = weight > 0
+    batch = tf.cast(global_batch, tf.int64)
+    share = weight / tf.reduce_sum(weight) * tf.cast(batch, tf.float32)
+    base = tf.where(member, tf.maximum(tf.cast(tf.floor(share), tf.int64),
+                                       1), 0)
+
+    def take_one(base):
+        return [base - tf.one_hot(tf.argmax(base), tf.size(base),
+                                  dtype=tf.int64)]
+
+    (base,) = tf.while_loop(lambda base: tf.reduce_sum(base) > batch,
+                            take_one, [base])
+    left = batch - tf.reduce_sum(base)
+    remainder = tf.where(member, share - tf.cast(base, tf.float32), -2.0)
+    # Stable: equal remainders keep worker order.
+    rank = tf.math.invert_permutation(tf.argsort(-remainder, stable=True))
+    sizes = base + tf.cast(tf.logical_and(tf.cast(rank, tf.int64) < left,
+                                          member), tf.int64)
+    ends = tf.cumsum(sizes)
+    return tf.stack([ends - sizes, ends], axis=1)
+
+
+def bounds_np(weight, global_batch: int) -> np.ndarray:
+    """`bounds` in NumPy (int64 [N, 2]), for tests and docs."""
+    weight = np.asarray(weight, np.float32)
+    member = weight > 0
+    share = weight / weight.sum() * np.float32(global_batch)
+    base = np.where(member, np.maximum(np.floor(share), 1), 0).astype(
+        np.int64)
+    while base.sum() > global_batch:
+        base[np.argmax(base)] -= 1
+    left = global_batch - int(base.sum())
+    remainder = np.where(member, share - base, -2.0)
+    rank = np.empty(len(weight), np.int64)
+    rank[np.argsort(-remainder, kind="stable")] = np.arange(len(weight))
+    sizes = base + ((rank < left) & member)
+    ends = np.cumsum(sizes)
+    return np.stack([ends - sizes, ends], axis=1)

@@ -1,0 +1,150 @@
+"""The synchronous protocol's shared state on the ps tasks.
+
+Every worker builds this alike; TensorFlow matches variables by name and
+queues by shared_name, so every graph addresses the same resources. All
+of it is on ps 0 except the gradient rows, which sit with their shard.
+
+What crosses between the chief and the workers:
+- a token, int64 [4] = (step, round, first example, end example), in
+  worker k's queue `sync/tokens_<k>`: "compute rows [first, end) of the
+  global batch of `step` for round `round`". Only the chief fills them.
+  A negative step is not work: STOP (the chief ended the run) or REJOIN
+  (a restarted chief asks every worker to join again).
+- an event, (kind, worker, step, round), on `sync/events`: a gradient
+  pushed, a worker joining, a worker lost (from the chief's membership
+  watch) or leaving on SIGTERM. Only the chief takes them.
+- a membership record, (step, kind, worker, members after), on
+  `sync/membership`, put by the chief's graph whenever the roster changes,
+  taken by the chief's Python side for its log and results.json.
+"""
+
+import tensorflow as tf
+
+from trainer.learning.replica import NUM_STATS
+from trainer.sync import queues
+
+STOP = -1     # token step: the chief stopped the run (coordination.py)
+REJOIN = -2   # token step: a (re)started chief asks for every worker
+TOKEN_SIZE = 4
+
+# Event kinds on sync/events (and membership records).
+PUSHED, JOINED, LOST, LEAVING = 0, 1, 2, 3
+EVENT_NAMES = {JOINED: "joined", LOST: "left", LEAVING: "left"}
+
+# Variables a checkpoint does not hold: the chief initializes them afresh
+# after every restore.
+TRANSIENT = "sync_transient_variables"
+
+
+def ps_variable(name, shape, dtype, initializer, transient):
+    """A non-trainable resource variable on the current (ps) device,
+    global, and in TRANSIENT if `transient`."""
+    return tf.compat.v1.get_variable(
+        name, shape, dtype, initializer=initializer, trainable=False,
+        use_resource=True,
+        collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES] + (
+            [TRANSIENT] if transient else []))
+
+
+def transient_variables() -> list:
+    return tf.compat.v1.get_collection(TRANSIENT)
+
+
+def token(step, round_=0, first=0, end=0) -> tf.Tensor:
+    """int64 [TOKEN_SIZE] from its four parts (tensors or numbers)."""
+    return tf.stack([tf.cast(v, tf.int64) for v in (step, round_, first,
+                                                     end)])
+
+
+class SharedState:
+    """The protocol's variables and queues (shapes in the comments)."""
+
+    def __init__(self, num_workers: int, shard_sizes: list[int],
+                 shard_devices: list[str]):
+        self.num_workers = num_workers
+        self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
+        zeros = tf.compat.v1.zeros_initializer()
+        n = [num_workers]
+        with tf.device(shard_devices[0]):
+            self.global_step = ps_variable("global_step", [], tf.int64, zeros,
+                                           transient=False)
+            self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
+                                       zeros, transient=False)
+            # Who is in (1.0) and out (0.0); the chief is always in.
+            self.roster = ps_variable(
+                "sync/roster", n, tf.float32, tf.compat.v1.constant_initializer(
+                    [1.0] + [0.0] * (num_workers - 1)), transient=True)
+            # The current round: its number, who was planned into it, who
+            # has pushed for it, each planned slice, when it was planned.
+            self.round = ps_variable("sync/round", [], tf.int64, zeros, True)
+            self.planned = ps_variable("sync/planned", n, tf.float32, zeros,
+                                       True)
+            self.admitted = ps_variable("sync/admitted", n, tf.float32,
+                                        zeros, True)
+            self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
+                                      True)  # [first, end) per worker
+            self.planned_at = ps_variable("sync/planned_at", [], tf.float64,
+                                          zeros, True)
+            # Examples per second of each worker, averaged over its recent
+            # rounds; 0 until measured. Balanced slices follow it.
+            self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
+            self.contributions = ps_variable(  # steps that averaged each
+                "sync/contributions", n, tf.int64, zeros, True)
+            self.stats = ps_variable("sync/stats", n + [NUM_STATS],
+                                     tf.float32, zeros, True)
+            # Set by the chief's Python side: end the loop at the next step
+            # boundary (SIGTERM, too few workers).
+            self.halt = ps_variable("sync/halt", [], tf.int64, zeros, True)
+            self.events = queues.shared_queue(
+                "sync/events", [tf.int32, tf.int32, tf.int64, tf.int64],
+                [[], [], [], []])
+            self.membership = queues.shared_queue(
+                "sync/membership", [tf.int64, tf.int32, tf.int32, tf.int32],
+                [[], [], [], []])
+            self.tokens = [queues.shared_queue(f"sync/tokens_{k}", [tf.int64],
+                                               [[TOKEN_SIZE]])
+                           for k in range(num_workers)]
+        self.grads = []
+        for s, (size, device) in enumerate(zip(shard_sizes, shard_devices)):
+            with tf.device(device):
+                self.grads.append(ps_variable(f"sync/grads_{s}",
+                                              [num_workers, size], tf.float32,
+                                              zeros, transient=True))
+
+    def send_event(self, kind: int, worker, step=-1, round_=-1
+                   ) -> tf.Operation:
+        """Puts an event on sync/events (worker: int or int32 [])."""
+        with tf.device(self.shard_devices[0]):
+            return self.events.enqueue((
+                tf.cast(kind, tf.int32), tf.cast(worker, tf.int32),
+                tf.cast(step, tf.int64), tf.cast(round_, tf.int64)))
+
+    def next_token(self, worker: int) -> tf.Tensor:
+        """Waits for worker's next token (int64 [TOKEN_SIZE]).
+
+        Tokens queued while the worker was busy are for rounds that are
+        over (a round re-planned after a worker left): it takes them all
+        and goes on with the newest.
+        """
+        queue = self.tokens[worker]
+        with tf.device(self.shard_devices[0]):
+            available = tf.maximum(queue.size(), 1)
+            return queue.dequeue_many(available)[-1]
+
+    def drain_tokens(self, worker: int) -> tf.Operation:
+        """Drops whatever is in worker's token queue (before it joins)."""
+        queue = self.tokens[worker]
+        with tf.device(self.shard_devices[0]):
+            return queue.dequeue_many(queue.size())[0].op
+
+    def give_all(self, value: tf.Tensor, after=()) -> tf.Operation:
+        """After `after`, puts token `value` in every other worker's queue."""
+        with tf.device(self.shard_devices[0]), \
+                tf.control_dependencies(list(after)):
+            return tf.group([q.enqueue(value) for q in self.tokens[1:]])
+
+    def take_membership(self) -> tuple:
+        """Membership records so far, without waiting: (step int64 [n],
+        kind int32 [n], worker int32 [n], members int32 [n])."""
+        with tf.device(self.shard_devices[0]):
+            return self.membership.dequeue_many(self.membership.size())

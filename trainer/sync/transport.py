@@ -1,0 +1,104 @@
+"""Moving a step's data between a worker and the ps tasks: one tensor per
+shard each way, with the token and statistics riding bit-exact.
+
+The wire dtype (trainer/sync/wire.py) is the format of the parameters
+(pull) and the gradient sums (push) on the ps links; the ps keeps, sums
+and applies float32, and the token and statistics cross bit-exact, so the
+workers' rounding is the only approximation.
+"""
+
+import tensorflow as tf
+
+from trainer.learning.replica import NUM_STATS
+from trainer.sync import state as state_lib
+from trainer.sync import wire
+
+
+def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
+    """tf.split by slices: a slice at an aligned offset shares the buffer
+    instead of copying it, so the big first piece costs nothing."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(tf.slice(packed, [start], [size]))
+        start += size
+    return pieces
+
+
+def _write_row(variable, row: tf.Tensor, value: tf.Tensor) -> tf.Operation:
+    """variable[row[0]] = value, as an op (no read of the result)."""
+    return tf.raw_ops.ResourceScatterUpdate(
+        resource=variable.handle, indices=row, updates=value[None])
+
+
+class Transport:
+    """Pull and push over a SharedState's devices."""
+
+    def __init__(self, shared: state_lib.SharedState, wire_dtype):
+        """wire_dtype: tf.float32, tf.bfloat16 or tf.float16 (or the name);
+        raises UserError for any other."""
+        self.shared = shared
+        self.wire_dtype = wire.wire_dtype(wire_dtype)
+
+    def pull(self, token: tf.Tensor, shard_variables: list,
+             ready: list) -> tuple:
+        """Reads every shard s once `token` and `ready[s]` (its pull turn,
+        PullTurns.wait) are there.
+
+        The token (int64 [4], on ps 0) rides exact inside shard 0's tensor,
+        which its ps, like every ps its shard, rounds to the wire dtype: one
+        transfer per shard. Returns the token (int64 [4]) and the shard
+        values (float32 [n_s] each) on the current (worker) device.
+        """
+        dtype, devices = self.wire_dtype, self.shared.shard_devices
+        with tf.device(devices[0]), \
+                tf.control_dependencies([token, ready[0]]):
+            packed = tf.concat(
+                [wire.to_wire(shard_variables[0].read_value(), dtype),
+                 wire.bits_to_wire(token, dtype)], axis=0)
+        sent = []
+        for variable, device, after in zip(shard_variables[1:], devices[1:],
+                                           ready[1:]):
+            with tf.device(device), tf.control_dependencies([token, after]):
+                sent.append(wire.to_wire(variable.read_value(), dtype))
+        value0, token_bits = _unpack(packed, [
+            self.shared.shard_sizes[0],
+            wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, dtype)])
+        values = [wire.from_wire(v) for v in [value0] + sent]
+        return (wire.bits_from_wire(token_bits, tf.int64,
+                                    [state_lib.TOKEN_SIZE]), values)
+
+    def push(self, worker: int, token: tf.Tensor, shard_grads: list,
+             stats: tf.Tensor) -> tf.Operation:
+        """Writes worker's gradient sums and stats into row `worker`, then
+        puts the event (PUSHED, worker, step, round) on sync/events.
+
+        Args:
+          token: int64 [4], the token the gradients were computed for.
+          shard_grads: float32 [n_s] per shard, the sum over this piece's
+            examples of the per-example loss gradient.
+          stats: float32 [3], (examples, loss sum, correct predictions).
+        """
+        shared, dtype = self.shared, self.wire_dtype
+        sent = [wire.to_wire(grads, dtype) for grads in shard_grads]
+        packed = tf.concat([sent[0], wire.bits_to_wire(stats, dtype),
+                            wire.bits_to_wire(token, dtype)], axis=0)
+        row = tf.constant([worker])
+        with tf.device(shared.shard_devices[0]):
+            grad0, stats_bits, token_bits = _unpack(packed, [
+                shared.shard_sizes[0],
+                wire.exact_size(tf.float32, NUM_STATS, dtype),
+                wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, dtype)])
+            stats_ps = wire.bits_from_wire(stats_bits, tf.float32,
+                                           [NUM_STATS])
+            writes = [_write_row(shared.grads[0], row, wire.from_wire(grad0)),
+                      _write_row(shared.stats, row, stats_ps)]
+            token_ps = wire.bits_from_wire(token_bits, tf.int64,
+                                           [state_lib.TOKEN_SIZE])
+            step_ps, round_ps = token_ps[0], token_ps[1]
+        for s in range(1, len(shared.grads)):
+            with tf.device(shared.shard_devices[s]):
+                writes.append(_write_row(shared.grads[s], row,
+                                         wire.from_wire(sent[s])))
+        with tf.control_dependencies(writes):
+            return shared.send_event(state_lib.PUSHED, worker, step_ps,
+                                     round_ps)
