@@ -223,3 +223,53 @@ def test_sigterm_to_the_chief_saves_where_it_is_then_resumes(
     assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
     assert f"(global step {saved})" in c.log("worker0")
     assert_exact(tmp_path / "logs", reference)
+
+
+def test_the_launcher_restarts_a_failed_worker_and_ctrl_c_saves(tmp_path,
+                                                                 data):
+    """--worker_restarts=1: worker 1 killed, started again, joins again;
+    then Ctrl-C makes the chief save where it is before every task stops."""
+    import subprocess
+    import sys
+    import threading
+    logdir = tmp_path / "logs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
+         "--worker_restarts=1", f"--logdir={logdir}", f"--data_dir={data}",
+         "--nodownload", "--model=mlp", "--train_steps=100000000",
+         "--log_every=20"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout),
+                     daemon=True).start()
+
+    def wait_for(pattern, count=1, timeout=120):
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, "".join(lines))) < count:
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            assert process.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        return re.findall(pattern, "".join(lines))
+
+    try:
+        wait_for(r"worker 1 \(localhost:\d+\) joined at step")
+        pid = int(wait_for(r"started worker1 \(pid (\d+)\)")[0])
+        os.killpg(pid, signal.SIGKILL)
+        wait_for(r"worker1 exited with status -9; starting it again \(1 "
+                 r"of --worker_restarts=1\)")
+        # Whether the chief saw it leave first depends on how fast the
+        # new process came up on the same port; it joins again either way.
+        wait_for(r"worker 1 \(localhost:\d+\) joined at step", count=2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = "".join(lines)
+    saved = re.search(r"the chief was sent SIGTERM at global step (\d+).*"
+                      r"saved a checkpoint at step (\d+)", output, re.S)
+    assert saved, output[-3000:]
+    assert 0 <= int(saved.group(2)) - int(saved.group(1)) <= 5
+    assert (logdir / f"model.ckpt-{saved.group(2)}.index").exists()

@@ -22,6 +22,7 @@ from trainer.sync import state
 from trainer.sync import transport as transport_lib
 
 SHARDS = [5, 3]
+PROBE_FREE_STEP = 7   # not a multiple of averaging.PROBE_EVERY
 LEARNING_RATE = 0.5
 
 
@@ -106,6 +107,9 @@ class Protocol:
             self.tokens = [self.shared.next_token(k)
                            for k in range(num_workers)]
             self.records = self.shared.take_membership()
+            self.secs_in = tf.compat.v1.placeholder(tf.float32,
+                                                    [num_workers])
+            self.set_secs = self.shared.round_secs.assign(self.secs_in)
 
     def run(self, fetches, feed=None, timeout_secs=20.0):
         return self.session.run(fetches, feed, options=tf.compat.v1.RunOptions(
@@ -331,6 +335,39 @@ def test_backup_workers_first_members_win_and_late_ones_are_dropped(
     push_all(protocol, rng, {0: later[0], 1: later[1]})
     assert protocol.admit(later[0]) == (True, [0, 1])
     assert protocol.read(protocol.shared.dropped) == 1
+
+
+def test_a_laggard_sits_out_rounds_between_probes(cluster):
+    """Balanced slices: a member whose rounds take over BENCH_FACTOR times
+    every other member's gets no slice, except at a probe step."""
+    protocol = Protocol(cluster, num_workers=3, slices="balanced")
+    protocol.join(1, 2)
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.5]})
+    tokens = round_tokens(protocol, 1, [1])
+    assert protocol.read(protocol.token_counts[2]) == 0
+    assert [tuple(t[2:]) for t in tokens.values()] == [(0, 32), (32, 64)]
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [1, 1, 0])
+    # At a probe step it gets a piece too, which the round does not wait
+    # for: its push, however late, is timed, neither admitted nor dropped.
+    rng = np.random.default_rng(8)
+    probe = round_tokens(protocol, averaging.PROBE_EVERY, [1, 2])
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [1, 1, 0])
+    push_all(protocol, rng, {0: probe[0], 1: probe[1]})
+    assert protocol.admit(probe[0]) == (True, [0, 1])
+    protocol.apply(averaging.PROBE_EVERY)
+    after = round_tokens(protocol, averaging.PROBE_EVERY + 1, [1])
+    protocol.push(2, probe[2], *random_push(rng, int(probe[2][3] -
+                                                     probe[2][2])))
+    push_all(protocol, rng, after)
+    assert protocol.admit(after[0]) == (True, [0, 1])
+    assert protocol.read(protocol.shared.dropped) == 0
+    secs = protocol.read(protocol.shared.round_secs)
+    assert 0 < secs[2] < 0.5   # measured: faster than it was
+    # No longer a laggard by the factor: in the next round.
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
+    round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
 
 
 def test_a_worker_that_fell_behind_skips_to_the_newest_token(cluster):

@@ -42,6 +42,7 @@ from trainer.bench import rows as rows_lib
 from trainer.bench import runs as runs_lib
 from trainer.bench import slurm_steps
 from trainer.bench.simhosts import runs as simulated
+from trainer.common import processes
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
 
@@ -229,6 +230,7 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    processes.interrupt_on_signals()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
     try:

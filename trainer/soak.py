@@ -157,6 +157,7 @@ def _run_launcher(command: list[str], log_path: pathlib.Path
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    processes.interrupt_on_signals()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(FLAGS.out or f"soak/{stamp}")
     out.mkdir(parents=True, exist_ok=True)

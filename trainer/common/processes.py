@@ -144,6 +144,20 @@ class Child:
                 pass
 
 
+def interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt in the main thread, so a
+    command stops what it started on the way out, however it was started:
+    one started from a script's background job (`cmd &`) inherits SIGINT
+    as ignored, and SIGTERM would otherwise end it without cleaning up."""
+
+    def interrupt(signum, frame):
+        del signum, frame
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def echo_lines(name: str, skip: re.Pattern | None = None) -> Callable:
     """An on_line for Child.relay: writes each line to our stdout as
     `[name] line`, except lines that `skip` matches. Bytes pass through

@@ -135,10 +135,9 @@ class Chief(WorkerRole):
             self.halt_reason = reason
             session = self.session
         try:
+            at = session.run(self.g.chief.halt_op)
             logging.warning("%s at global step %d: stopping at the next "
-                            "step boundary", reason,
-                            session.run(self.g.handles.global_step))
-            session.run(self.g.chief.halt_op)
+                            "step boundary", reason, at)
         except Exception as e:  # noqa: BLE001 (the loop then fails anyway)
             logging.warning("could not halt the training loop: %s", e)
 

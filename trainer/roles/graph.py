@@ -72,7 +72,8 @@ class ChiefOps:
     slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
-    halt_op: tf.Operation             # ends the loop at a step boundary
+    halt_op: tf.Tensor                # ends the loop at a step boundary;
+                                      # int64 []: the global step then
     end_op: tf.Operation              # the final step to every worker
     saver: tf.compat.v1.train.Saver
     checkpoint_shapes: dict           # checkpoint key -> shape

@@ -45,6 +45,11 @@ from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 
 # How much of a worker's measured speed carries over to the next round.
 SPEED_MEMORY = 0.7
+# A member whose pieces take this many times as long as every other
+# member's, even with its balanced slice, sits rounds out: its fixed cost
+# per round, not its share, would hold every step. Every PROBE_EVERY
+# steps it gets a probe, a piece that is timed but not waited for.
+BENCH_FACTOR, PROBE_EVERY = 2.0, 20
 
 
 @dataclasses.dataclass
@@ -67,30 +72,53 @@ class Averaging:
 
     def plan(self, step: tf.Tensor) -> tf.Tensor:
         """Starts a round of step `step` (int64 []): slices for the roster,
-        tokens to the other members. Returns the chief's token (int64 [4])."""
+        tokens to the other members (and a probe to a laggard). Returns
+        the chief's token (int64 [4])."""
         s = self.shared
         with tf.device(self.device):
-            members = s.roster.read_value()
+            roster, speed = s.roster.read_value(), s.speed.read_value()
+            out = self._laggards(roster)
+            members = tf.where(out, 0.0, roster)
             cut = slices_lib.bounds(
-                slices_lib.weights(s.speed.read_value(), members,
-                                   self.slices), self.global_batch)
-            round_ = s.round.assign_add(1)
+                slices_lib.weights(speed, members, self.slices),
+                self.global_batch)
+            # A laggard with no piece outstanding gets, every PROBE_EVERY
+            # steps, the slice it would have: its time is measured, its
+            # gradient is not waited for (trainer/sync/slices.py).
+            probe = tf.logical_and(tf.logical_and(out, tf.equal(
+                step % PROBE_EVERY, 0)), tf.equal(
+                    s.issued_round.read_value(), s.answered.read_value()))
+            given = tf.logical_or(members > 0.5, probe)
+            token_cut = tf.where(probe[:, None], slices_lib.bounds(
+                slices_lib.weights(speed, roster, self.slices),
+                self.global_batch), cut)
+            round_, now = s.round.assign_add(1), tf.timestamp()
             writes = [s.planned.assign(members, read_value=False),
                       s.admitted.assign(tf.zeros_like(members),
                                         read_value=False),
                       s.slices.assign(cut, read_value=False),
-                      s.planned_at.assign(tf.timestamp(), read_value=False)]
+                      _assign_where(s.issued_at, given, now),
+                      _assign_where(s.issued_round, given, round_)]
             with tf.control_dependencies(writes):
-                sent = [self._hand_out(k, step, round_, cut[k], members[k])
+                sent = [self._hand_out(k, step, round_, token_cut[k],
+                                       given[k])
                         for k in range(1, s.num_workers)]
                 sent += self.pull_turns.cover_absent(step, members)
             with tf.control_dependencies(writes + sent):
                 return state_lib.token(step, round_, cut[0, 0], cut[0, 1])
 
-    def _hand_out(self, k, step, round_, cut, member) -> tf.Operation:
-        """Token (step, round, cut) into worker k's queue if it is a member
-        (an enqueue of 0 or 1 tokens: no cond per worker)."""
-        count = tf.cast(member > 0.5, tf.int32)
+    def _laggards(self, roster: tf.Tensor) -> tf.Tensor:
+        """bool [N]: members that sit this round out (balanced slices
+        only; slices.laggards)."""
+        if self.slices != slices_lib.BALANCED:
+            return tf.zeros_like(roster, tf.bool)
+        return slices_lib.laggards(self.shared.round_secs.read_value(),
+                                   roster, BENCH_FACTOR)
+
+    def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
+        """Token (step, round, cut) into worker k's queue if `given` (bool
+        []): an enqueue of 0 or 1 tokens, so no cond per worker."""
+        count = tf.cast(given, tf.int32)
         tokens = tf.tile(state_lib.token(step, round_, cut[0], cut[1])[None],
                          tf.stack([count, 1]))
         return self.shared.tokens[k].enqueue_many(tokens)
@@ -125,20 +153,26 @@ class Averaging:
         """One event off sync/events, acted on. Returns (fresh push for
         this round: bool [], a member of the round left unfinished: bool [])."""
         s = self.shared
-        kind, worker, for_step, for_round = s.events.dequeue()
+        kind, worker, for_step, for_round, sent_at = s.events.dequeue()
         # Every read first, every write after them (a read racing a write
         # of the same event would see either value).
         roster, speed = s.roster.read_value(), s.speed.read_value()
         inside = roster[worker] > 0.5
         unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
                                     s.admitted.read_value()[worker] < 0.5)
-        elapsed = tf.cast(tf.timestamp() - s.planned_at.read_value(),
+        # Timed from the issue of its token: a piece of this round, or a
+        # laggard's probe that arrives rounds later.
+        timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
+            for_round, s.issued_round.read_value()[worker]))
+        elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
                           tf.float32)
         examples = s.stats.read_value()[worker][0]
         pushed = tf.equal(kind, PUSHED)
         fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
             tf.equal(for_step, step), tf.equal(for_round, round_)),
             unfinished))
+        probed = tf.logical_and(timed, tf.logical_and(
+            inside, s.planned.read_value()[worker] < 0.5))
         # A push from outside the roster is a worker we gave up on that is
         # alive after all: it joins again.
         joins = tf.logical_and(tf.logical_or(tf.equal(kind, JOINED), pushed),
@@ -156,17 +190,23 @@ class Averaging:
         measured = examples / tf.maximum(elapsed, 1e-6)
         speed_now = tf.where(speed[worker] > 0, SPEED_MEMORY * speed[worker]
                              + (1 - SPEED_MEMORY) * measured, measured)
+        secs = s.round_secs.read_value()[worker]
+        secs_now = tf.where(secs > 0, SPEED_MEMORY * secs
+                            + (1 - SPEED_MEMORY) * elapsed, elapsed)
         changed = tf.logical_or(joins, leaves)
         one = worker[None]
         with tf.control_dependencies([roster_now, members, speed_now,
-                                      unfinished]):
+                                      secs_now, unfinished]):
             ops = [
                 _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
-                _set(s.speed, one, tf.where(fresh, speed_now, speed[worker])),
+                _set(s.speed, one, tf.where(timed, speed_now, speed[worker])),
+                _set(s.round_secs, one, tf.where(timed, secs_now, secs)),
+                _set(s.answered, one, tf.where(
+                    timed, for_round, s.answered.read_value()[worker])),
                 _set(s.roster, one, roster_now),
                 s.dropped.assign_add(tf.cast(tf.logical_and(
-                    pushed, tf.logical_not(fresh)), tf.int64),
-                    read_value=False),
+                    pushed, tf.logical_not(tf.logical_or(fresh, probed))),
+                    tf.int64), read_value=False),
                 _put_if(s.membership, tf.logical_or(changed, restarted), (
                     step, tf.where(leaves, kind, JOINED), worker, members))]
         with tf.control_dependencies(ops):
@@ -230,6 +270,14 @@ class Averaging:
                 advance = s.global_step.assign(step + 1, read_value=False)
             with tf.control_dependencies([advance]):
                 return tf.identity(step + 1)
+
+
+def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:
+    """variable[k] = value where where[k] (bool [N]), else unchanged."""
+    old = variable.read_value()
+    return variable.assign(tf.where(where, tf.cast(value, old.dtype) +
+                                    tf.zeros_like(old), old),
+                           read_value=False)
 
 
 def _scatter_max(variable, index, value) -> tf.Operation:

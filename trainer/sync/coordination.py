@@ -134,10 +134,13 @@ class RunCoordination:
             final = self.shared.global_step.read_value()
             return self.shared.give_all(state_lib.token(final))
 
-    def halt_op(self) -> tf.Operation:
-        """Ends the chief's training loop at the next step boundary."""
+    def halt_op(self) -> tf.Tensor:
+        """Ends the chief's training loop at the next step boundary;
+        returns the global step when it was set (int64 [])."""
         with tf.device(self.device):
-            return self.shared.halt.assign(1, read_value=False)
+            halted = self.shared.halt.assign(1, read_value=False)
+            with tf.control_dependencies([halted]):
+                return self.shared.global_step.read_value()
 
     def lost_op(self, worker: tf.Tensor) -> tf.Operation:
         """Reports worker (int32 []) lost: the chief's membership watch."""

@@ -38,6 +38,25 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
                     tf.zeros_like(speed))
 
 
+def laggards(round_secs: tf.Tensor, roster: tf.Tensor,
+             factor: float) -> tf.Tensor:
+    """bool [N]: members other than the chief whose recent pieces took
+    over `factor` times as long as every other member's (round_secs:
+    float32 [N], 0 until measured; roster: float32 [N], 1 = in).
+
+    Balanced slices equalize the members' times, so a member still far
+    behind is bound by its fixed cost per piece (pulling, pushing, a
+    starved host), not by its share: giving it fewer examples cannot
+    help, and leaving it out of the round can.
+    """
+    secs = tf.where(roster > 0.5, round_secs, 0.0)
+    top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
+    second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
+    others = tf.where(tf.equal(secs, top[0]), second, top[0])
+    slow = tf.logical_and(secs > factor * others, others > 0)
+    return tf.logical_and(slow, tf.range(tf.size(secs)) > 0)
+
+
 def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
     """[first, end) per worker (int64 [N, 2]) of a global batch cut in
     proportion to `weight` (float32 [N]; 0: not a member, empty slice).

@@ -10,7 +10,7 @@ What crosses between the chief and the workers:
   global batch of `step` for round `round`". Only the chief fills them.
   A negative step is not work: STOP (the chief ended the run) or REJOIN
   (a restarted chief asks every worker to join again).
-- an event, (kind, worker, step, round), on `sync/events`: a gradient
+- an event, (kind, worker, step, round, time), on `sync/events`: a gradient
   pushed, a worker joining, a worker lost (from the chief's membership
   watch) or leaving on SIGTERM. Only the chief takes them.
 - a membership record, (step, kind, worker, members after), on
@@ -75,7 +75,7 @@ class SharedState:
                 "sync/roster", n, tf.float32, tf.compat.v1.constant_initializer(
                     [1.0] + [0.0] * (num_workers - 1)), transient=True)
             # The current round: its number, who was planned into it, who
-            # has pushed for it, each planned slice, when it was planned.
+            # has pushed for it, each planned slice.
             self.round = ps_variable("sync/round", [], tf.int64, zeros, True)
             self.planned = ps_variable("sync/planned", n, tf.float32, zeros,
                                        True)
@@ -83,11 +83,20 @@ class SharedState:
                                         zeros, True)
             self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
                                       True)  # [first, end) per worker
-            self.planned_at = ps_variable("sync/planned_at", [], tf.float64,
-                                          zeros, True)
             # Examples per second of each worker, averaged over its recent
             # rounds; 0 until measured. Balanced slices follow it.
             self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
+            # Seconds from token to push of each worker's recent pieces,
+            # and when (ps 0's clock) and for which round its last token
+            # was issued, and the last round it answered.
+            self.round_secs = ps_variable("sync/round_secs", n, tf.float32,
+                                          zeros, True)
+            self.issued_at = ps_variable("sync/issued_at", n, tf.float64,
+                                         zeros, True)
+            self.issued_round = ps_variable("sync/issued_round", n,
+                                            tf.int64, zeros, True)
+            self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
+                                        True)
             self.contributions = ps_variable(  # steps that averaged each
                 "sync/contributions", n, tf.int64, zeros, True)
             self.stats = ps_variable("sync/stats", n + [NUM_STATS],
@@ -95,9 +104,10 @@ class SharedState:
             # Set by the chief's Python side: end the loop at the next step
             # boundary (SIGTERM, too few workers).
             self.halt = ps_variable("sync/halt", [], tf.int64, zeros, True)
-            self.events = queues.shared_queue(
-                "sync/events", [tf.int32, tf.int32, tf.int64, tf.int64],
-                [[], [], [], []])
+            self.events = queues.shared_queue(  # see send_event
+                "sync/events",
+                [tf.int32, tf.int32, tf.int64, tf.int64, tf.float64],
+                [[], [], [], [], []])
             self.membership = queues.shared_queue(
                 "sync/membership", [tf.int64, tf.int32, tf.int32, tf.int32],
                 [[], [], [], []])
@@ -113,11 +123,15 @@ class SharedState:
 
     def send_event(self, kind: int, worker, step=-1, round_=-1
                    ) -> tf.Operation:
-        """Puts an event on sync/events (worker: int or int32 [])."""
+        """Puts (kind, worker, step, round, time) on sync/events (worker:
+        int or int32 []). The time is ps 0's clock as the event arrives,
+        the clock the plan's time is read from, so the rule can time a
+        worker's round without waiting for its turn to be admitted."""
         with tf.device(self.shard_devices[0]):
             return self.events.enqueue((
                 tf.cast(kind, tf.int32), tf.cast(worker, tf.int32),
-                tf.cast(step, tf.int64), tf.cast(round_, tf.int64)))
+                tf.cast(step, tf.int64), tf.cast(round_, tf.int64),
+                tf.timestamp()))
 
     def next_token(self, worker: int) -> tf.Tensor:
         """Waits for worker's next token (int64 [TOKEN_SIZE]).
