@@ -161,8 +161,19 @@ def _input_error(message: str) -> None:
 
 def run_command(main: Callable[[list[str]], int]) -> None:
     """Runs a command's main(argv) -> exit status under absl, its flags
-    parsed by parse_flags."""
-    app.run(lambda argv: sys.exit(main(argv)), flags_parser=parse_flags)
+    parsed by parse_flags. A Ctrl-C that main lets through (having
+    stopped what it started on the way out) is one line and status 130."""
+
+    def run(argv):
+        try:
+            status = main(argv)
+        except KeyboardInterrupt:
+            logging.error("interrupted; everything this command started "
+                          "was stopped")
+            status = 130
+        sys.exit(status)
+
+    app.run(run, flags_parser=parse_flags)
 
 
 def trainer_flag_names() -> list[str]:

@@ -160,13 +160,8 @@ class Averaging:
         inside = roster[worker] > 0.5
         unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
                                     s.admitted.read_value()[worker] < 0.5)
-        # Timed from the issue of its token: a piece of this round, or a
-        # laggard's probe that arrives rounds later.
-        timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
-            for_round, s.issued_round.read_value()[worker]))
-        elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
-                          tf.float32)
-        examples = s.stats.read_value()[worker][0]
+        timed, speed_now, secs_now = self._timing(kind, worker, for_round,
+                                                  sent_at)
         pushed = tf.equal(kind, PUSHED)
         fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
             tf.equal(for_step, step), tf.equal(for_round, round_)),
@@ -187,12 +182,7 @@ class Averaging:
                                                    roster[worker]))
         members = tf.cast(tf.reduce_sum(roster) - roster[worker]
                           + roster_now, tf.int32)
-        measured = examples / tf.maximum(elapsed, 1e-6)
-        speed_now = tf.where(speed[worker] > 0, SPEED_MEMORY * speed[worker]
-                             + (1 - SPEED_MEMORY) * measured, measured)
         secs = s.round_secs.read_value()[worker]
-        secs_now = tf.where(secs > 0, SPEED_MEMORY * secs
-                            + (1 - SPEED_MEMORY) * elapsed, elapsed)
         changed = tf.logical_or(joins, leaves)
         one = worker[None]
         with tf.control_dependencies([roster_now, members, speed_now,
@@ -213,6 +203,25 @@ class Averaging:
             lost_member = tf.logical_and(tf.logical_or(leaves, restarted),
                                          unfinished)
             return tf.identity(fresh), lost_member
+
+    def _timing(self, kind, worker, for_round, sent_at) -> tuple:
+        """A push timed from the issue of its token (a piece of this round,
+        or a laggard's probe that arrives rounds later): (timed: bool [],
+        the worker's speed and piece time averaged with it: float32 [])."""
+        s = self.shared
+        timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
+            for_round, s.issued_round.read_value()[worker]))
+        elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
+                          tf.float32)
+        measured = (s.stats.read_value()[worker][0]
+                    / tf.maximum(elapsed, 1e-6))
+
+        def averaged(old, new):
+            return tf.where(old > 0, SPEED_MEMORY * old
+                            + (1 - SPEED_MEMORY) * new, new)
+
+        return (timed, averaged(s.speed.read_value()[worker], measured),
+                averaged(s.round_secs.read_value()[worker], elapsed))
 
     def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
         """After a round that lost a member: lets through every pull that

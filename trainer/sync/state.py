@@ -114,12 +114,16 @@ class SharedState:
             self.tokens = [queues.shared_queue(f"sync/tokens_{k}", [tf.int64],
                                                [[TOKEN_SIZE]])
                            for k in range(num_workers)]
-        self.grads = []
-        for s, (size, device) in enumerate(zip(shard_sizes, shard_devices)):
-            with tf.device(device):
-                self.grads.append(ps_variable(f"sync/grads_{s}",
-                                              [num_workers, size], tf.float32,
-                                              zeros, transient=True))
+        self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
+
+    def _gradient_rows(self, shard: int):
+        """float32 [N, n_s] on shard s's ps: row k is worker k's gradient
+        sum of its latest piece."""
+        with tf.device(self.shard_devices[shard]):
+            return ps_variable(
+                f"sync/grads_{shard}",
+                [self.num_workers, self.shard_sizes[shard]], tf.float32,
+                tf.compat.v1.zeros_initializer(), transient=True)
 
     def send_event(self, kind: int, worker, step=-1, round_=-1
                    ) -> tf.Operation:
