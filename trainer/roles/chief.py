@@ -74,7 +74,8 @@ class Chief(WorkerRole):
         read = self.callable({
             "step": handles.global_step, "round": handles.round,
             "planned": handles.planned, "admitted": handles.admitted,
-            "roster": ops.roster, "slices": ops.slices})
+            "roster": ops.roster, "slices": ops.slices,
+            "last_push": ops.last_push})
         session = self.session
         return membership.MembershipWatch(
             read, lambda: session.run(ops.membership),

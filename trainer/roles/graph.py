@@ -70,6 +70,7 @@ class ChiefOps:
     membership: tuple                 # records so far (state.take_membership)
     roster: tf.Tensor                 # float32 [N]
     slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
+    last_push: tf.Tensor              # int64 [N]: round of each's last push
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
     halt_op: tf.Tensor                # ends the loop at a step boundary;
@@ -204,6 +205,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         membership=shared.take_membership(),
         roster=shared.roster.read_value(),
         slices=shared.slices.read_value(),
+        last_push=shared.last_push.read_value(),
         lost_in=lost_in, lost_op=coord.lost_op(lost_in),
         halt_op=coord.halt_op(), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,

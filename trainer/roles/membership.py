@@ -3,12 +3,17 @@
 The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
 loop. This thread reads the round every CHECK_SECS (the same session,
-concurrently) and reports a member lost (a LOST event, which the rule in
-trainer/sync/averaging.py acts on: it plans the step again without it):
+concurrently) and reports a member of the round that has not pushed
+anything lost (a LOST event, which the rule in trainer/sync/averaging.py
+acts on: it plans the step again without it):
 
-- at once when its port refuses connections (the process is gone);
-- after --worker_timeout_secs without its gradient otherwise (a host cut
-  off or frozen does not refuse: only the timeout tells).
+- a second after it fell silent, if its port refuses connections (the
+  process is gone);
+- after --worker_timeout_secs of silence otherwise (a host cut off or
+  frozen does not refuse: only the timeout tells).
+
+Silence is counted per worker, from its last push of any round, so a
+dead backup worker, whose rounds end without it, is found too.
 
 It also logs every change the rule records (one line each), keeps them for
 results.json, writes the worker count and each slice to TensorBoard, and
@@ -28,7 +33,7 @@ import numpy as np
 
 from trainer.cluster.spec import split_address
 from trainer.observe import progress
-from trainer.roles.watchdog import _BoundedRead
+from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
 CHECK_SECS = 0.5
@@ -44,6 +49,7 @@ class _Round:
     admitted: np.ndarray   # float32 [N]
     roster: np.ndarray     # float32 [N]
     slices: np.ndarray     # int64 [N, 2]
+    last_push: np.ndarray  # int64 [N]: the round of each one's last push
 
 
 class MembershipWatch:
@@ -56,14 +62,14 @@ class MembershipWatch:
         """
         Args:
           read: () -> dict of step, round, planned, admitted, roster,
-            slices (numpy values of the ops in ChiefOps).
+            slices, last_push (numpy values of the ops in ChiefOps).
           take_records: () -> (step, kind, worker, members) arrays.
           report_lost: worker -> None, sends LOST for it.
           cluster: the ClusterSpec (names workers in the log).
           config: the TrainConfig (timeouts, min_workers, log_every).
           writer: a FileWriter for membership scalars, or None.
         """
-        self._read = _BoundedRead(lambda: _Round(**read()))
+        self._read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
@@ -102,16 +108,15 @@ class MembershipWatch:
                                {"membership/workers": count})
 
     def _watch(self) -> None:
-        key, since, failing_since = None, time.monotonic(), None
-        reported, logged_step = set(), -1
+        heard, failing_since = {}, None
+        logged_step, last = -1, time.monotonic()
         timeout = self._config.worker_timeout_secs
-        last = time.monotonic()
         while not self._stop.wait(CHECK_SECS):
             now = time.monotonic()
             if now - last > STALL_SECS:
                 # This process did not run (stopped, swapped out): the
-                # time lost is not the workers' lateness.
-                since, failing_since = now, None
+                # time lost is not the workers' silence.
+                heard, failing_since = {}, None
             last = now
             try:
                 state = self._read()
@@ -119,28 +124,36 @@ class MembershipWatch:
             except Exception:  # noqa: BLE001 (any failure: no answer)
                 failing_since = failing_since or now
                 if now - failing_since >= timeout:
-                    self._on_unreachable(key and key[0], self._cluster.describe(
+                    self._on_unreachable(None, self._cluster.describe(
                         "ps", 0) + ", which does not answer")
                     return
                 continue
             failing_since = None
-            if (state.step, state.round) != key:
-                key, since, reported = (state.step, state.round), now, set()
             logged_step = self._write_slices(state, logged_step)
             for k in self._late(state):
-                if k in reported:
-                    continue
-                late = now - since
-                if late >= timeout:
-                    self.reasons[k] = (f" (no gradient for step {state.step} "
-                                       f"in {timeout:.0f} s, "
-                                       "--worker_timeout_secs)")
-                elif late >= PROBE_AFTER_SECS and self._refuses(k):
-                    self.reasons[k] = " (its port refuses connections)"
-                else:
-                    continue
-                reported.add(k)
-                self._report_lost(k)
+                self._check_silent(k, state, heard, now)
+
+    def _check_silent(self, k: int, state: _Round, heard: dict,
+                      now: float) -> None:
+        """Reports member k lost if it has not pushed anything (heard:
+        k -> (its last push's round, when that changed, reported)) for
+        --worker_timeout_secs, or for a second while its port refuses."""
+        pushed, since, reported = heard.get(k, (None, now, False))
+        if state.last_push[k] != pushed:
+            pushed, since, reported = state.last_push[k], now, False
+        heard[k] = (pushed, since, reported)
+        silent, timeout = now - since, self._config.worker_timeout_secs
+        if reported:
+            return
+        if silent >= timeout:
+            self.reasons[k] = (f" (no gradient for step {state.step} in "
+                               f"{timeout:.0f} s, --worker_timeout_secs)")
+        elif silent >= PROBE_AFTER_SECS and self._refuses(k):
+            self.reasons[k] = " (its port refuses connections)"
+        else:
+            return
+        heard[k] = (pushed, since, True)
+        self._report_lost(k)
 
     @staticmethod
     def _late(state: _Round) -> list[int]:

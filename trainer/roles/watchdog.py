@@ -30,7 +30,7 @@ class ReadTimedOut(Exception):
     pass
 
 
-class _BoundedRead:
+class BoundedRead:
     """Calls read() on a helper thread and waits for it at most
     READ_DEADLINE_SECS. While an earlier call is still blocked, no new one
     starts: waiting on it again counts as another failed read."""
@@ -79,7 +79,7 @@ class Watchdog:
           timeout_flag: the flag that sets timeout_secs, named in the
             warnings (a non-chief worker waits 2 x --worker_timeout_secs).
         """
-        self._read = _BoundedRead(read_progress)
+        self._read = BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable
         self._timeout = timeout_secs

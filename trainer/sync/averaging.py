@@ -194,6 +194,8 @@ class Averaging:
                 _set(s.answered, one, tf.where(
                     timed, for_round, s.answered.read_value()[worker])),
                 _set(s.roster, one, roster_now),
+                _set(s.last_push, one, tf.where(
+                    pushed, for_round, s.last_push.read_value()[worker])),
                 s.dropped.assign_add(tf.cast(tf.logical_and(
                     pushed, tf.logical_not(tf.logical_or(fresh, probed))),
                     tf.int64), read_value=False),

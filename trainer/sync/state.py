@@ -97,6 +97,10 @@ class SharedState:
                                             tf.int64, zeros, True)
             self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
                                         True)
+            # The round of each worker's latest push, stale or not: the
+            # membership watch hears from a worker by it.
+            self.last_push = ps_variable("sync/last_push", n, tf.int64,
+                                         zeros, True)
             self.contributions = ps_variable(  # steps that averaged each
                 "sync/contributions", n, tf.int64, zeros, True)
             self.stats = ps_variable("sync/stats", n + [NUM_STATS],

@@ -51,8 +51,8 @@ def build_single_process(config: TrainConfig, num_train_examples: int,
 
         def one_step(done, step, stats):
             values = [v.read_value() for v in flat.variables]
-            replica = replica_lib.compute_gradients(config, flat, trainset,
-                                                    step, values)
+            replica = replica_lib.compute_gradients(
+                config, flat, trainset, step, trainset.bounds, values)
             mean = [g / replica.stats[0] for g in replica.shard_grads]
             optimizer = optim.make_optimizer(
                 config, optim.learning_rate(config, step, train_steps))
