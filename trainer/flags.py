@@ -72,7 +72,7 @@ flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
                      "others still pull: for a step bound by a ps link's "
-                     "bandwidth (README, Across machines). Not with "
+                     "bandwidth (docs/how-it-works.md#ordered-pulls). Not with "
                      "--backup_workers.")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
@@ -98,7 +98,14 @@ flags.DEFINE_integer("log_every", 100, "Log and summarize every N steps.")
 flags.DEFINE_integer("eval_every", 500,
                      "Evaluate on the test set every N steps.")
 flags.DEFINE_integer("checkpoint_every", 500, "Checkpoint every N steps.")
-flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints to keep.")
+flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints (and exports) to "
+                     "keep.")
+flags.DEFINE_boolean("continue_with_new_settings", False,
+                     "Go on from the checkpoints in --logdir although they "
+                     "were trained for another number of steps (--train_steps"
+                     " or --epochs). Other changed settings (model, "
+                     "optimizer, learning rate, batch, seed, ...) need a new "
+                     "--logdir.")
 
 # --- Runtime ---
 flags.DEFINE_integer("intra_op_threads", 0,
@@ -197,7 +204,8 @@ def config_from_flags() -> TrainConfig:
         startup_timeout_secs=FLAGS.startup_timeout_secs,
         worker_timeout_secs=FLAGS.worker_timeout_secs,
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
-        ordered_pulls=FLAGS.ordered_pulls)
+        ordered_pulls=FLAGS.ordered_pulls,
+        continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 
 def task_from_flags() -> cluster_lib.Task:
