@@ -14,6 +14,8 @@ import os
 import pathlib
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 
 import pytest
@@ -120,3 +122,80 @@ def test_ps_and_two_workers_train_from_the_image(image, tmp_path):
     version = runs / "cnn" / "export" / str(STEPS)
     assert (version / "saved_model.pb").is_file()
     assert "the chief" in outputs[f"mnist-worker0-{tag}"]
+
+
+def manifest_args() -> dict[str, list[str]]:
+    """StatefulSet name -> its container's args in deploy/kubernetes.yaml."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML: the test extra")
+    text = (helpers.REPO / "deploy" / "kubernetes.yaml").read_text()
+    return {d["metadata"]["name"]:
+            d["spec"]["template"]["spec"]["containers"][0]["args"]
+            for d in yaml.safe_load_all(text) if d["kind"] == "StatefulSet"}
+
+
+def collect(process: subprocess.Popen, seen: list[str]) -> None:
+    """Appends `process`'s output lines to `seen`, on a thread of its own,
+    so that the test's waits stay bounded."""
+    threading.Thread(target=lambda: seen.extend(process.stdout),
+                     daemon=True).start()
+
+
+def wait_for(seen: list[str], phrase: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(phrase in line for line in list(seen)):
+        assert time.monotonic() < deadline, (
+            f"no '{phrase}' in {timeout:.0f} s:\n{''.join(seen[-40:])}")
+        time.sleep(1)
+
+
+def test_pods_named_as_the_statefulsets_train_with_the_manifests_args(
+        image, tmp_path):
+    """--cluster=kubernetes in three containers named and addressed as the
+    StatefulSets' pods (mnist-ps-0.mnist-ps, ...), with the args of
+    deploy/kubernetes.yaml plus a short run; each stays up after the end
+    until stopped, then exits 0."""
+    data = helpers.fake_mnist(tmp_path / "data")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    args = manifest_args()
+    tag = uuid.uuid4().hex[:8]
+    third = 100 + int(tag, 16) % 150
+    network = f"mnist-test-{tag}"
+    pods = {f"mnist-ps-{i}": args["mnist-ps"] for i in range(1)}
+    pods.update({f"mnist-worker-{k}": args["mnist-worker"] for k in range(2)})
+    ip = {pod: f"10.89.{third}.{10 + i}" for i, pod in enumerate(pods)}
+    hosts = [f"--add-host={pod}.{pod.rsplit('-', 1)[0]}:{ip[pod]}"
+             for pod in pods]
+    short = ["--model=softmax", "--train_steps=20", "--batch_size=32",
+             "--log_every=10", "--eval_every=10", "--nodownload"]
+    started, seen = {}, {pod: [] for pod in pods}
+    podman("network", "create", "--subnet", f"10.89.{third}.0/24", network,
+           timeout=60)
+    try:
+        for pod, pod_args in pods.items():
+            started[pod] = subprocess.Popen(
+                PODMAN + ["run", "--rm", "--name", f"{pod}-{tag}", *RUN_FLAGS,
+                          "--network", network, "--ip", ip[pod], *hosts,
+                          "--hostname", pod, "-e", f"POD_NAME={pod}",
+                          "-v", f"{data}:/data/mnist:ro", "-v",
+                          f"{runs}:/runs", image, *pod_args, *short],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            collect(started[pod], seen[pod])
+        for pod, process in started.items():
+            wait_for(seen[pod], "training ended; this pod stays up", 600)
+            assert process.poll() is None          # held, not exited
+        for pod in pods:
+            podman("stop", "-t", "30", f"{pod}-{tag}", timeout=90)
+        for pod, process in started.items():
+            assert process.wait(timeout=60) == 0, "".join(seen[pod][-40:])
+    finally:
+        for pod, process in started.items():
+            if process.poll() is None:
+                podman("rm", "-f", f"{pod}-{tag}", timeout=60, check=False)
+                process.kill()
+                process.wait(timeout=60)
+        podman("network", "rm", "-f", network, timeout=60, check=False)
+    chief = "".join(seen["mnist-worker-0"])
+    assert ("this task is worker 0 (mnist-worker-0.mnist-worker:2222), "
+            "the chief") in chief
+    assert (runs / "cnn" / "results.json").is_file()
