@@ -94,7 +94,12 @@ def test_backup_worker_killed_and_not_restarted(cluster, tmp_path):
     assert [c.wait(n) for n in ("worker0", "worker1", "ps0")] == [0, 0, 0]
     results = json.loads((tmp_path / "logs" / "results.json").read_text())
     assert results["global_step"] == STEPS
-    assert results["local_steps"]["1"] >= STEPS - 100
+    # Which of the three a step dropped as late depends on timing, and so
+    # does the step at which worker 2 died (at 100 or any time after). For
+    # any timing: each step averaged R = 2 gradients of distinct workers.
+    counts = results["local_steps"]
+    assert sum(counts.values()) == 2 * STEPS
+    assert all(0 <= n <= STEPS for n in counts.values())
     assert "no end-of-training report from worker 2" in c.log("worker0")
 
 
