@@ -247,16 +247,29 @@ def checkpoint_digest(logdir) -> dict:
                 ("model.ckpt", "checkpoint"))}
 
 
-def test_logdir_of_another_model_is_refused_untouched(tmp_path, data):
+def test_logdir_of_other_settings_is_refused_untouched(tmp_path, data):
+    """A rerun in the same logdir: other settings are refused in one line
+    naming each; the same settings evaluate again and say so first."""
     logdir = tmp_path / "logs"
     made = helpers.launch(logdir, data, 1, "--model=softmax",
                           "--train_steps=5", "--log_every=5")
     assert made.returncode == 0, made.stdout[-3000:]
     before = checkpoint_digest(logdir)
-    result = chief(tmp_path, "--model=mlp", data_dir=data)
-    assert_one_line_error(result, 2, "does not fit --model=mlp",
-                          "use a new --logdir")
+    result = chief(tmp_path, "--model=mlp", "--train_steps=5", data_dir=data)
+    assert_one_line_error(result, 2, "--model=mlp (the checkpoints': "
+                          "softmax)", "give a new --logdir")
+    result = chief(tmp_path, "--model=softmax", "--train_steps=5",
+                   "--learning_rate=0.01", "--seed=4", data_dir=data)
+    assert_one_line_error(result, 2, "--learning_rate=0.01 (the "
+                          "checkpoints': 0.003)", "--seed=4", "new --logdir")
     assert checkpoint_digest(logdir) == before
+    again = helpers.launch(logdir, data, 1, "--model=softmax",
+                           "--train_steps=5", "--log_every=5")
+    assert again.returncode == 0, again.stdout[-3000:]
+    chief_lines = [line for line in again.stdout.splitlines()
+                   if line.startswith("[worker0]") and "cluster from" not in
+                   line and re.search(r"\] ", line)]
+    assert "holds a finished run (global step 5 of 5)" in chief_lines[0]
 
 
 def test_worker_with_another_cluster_fails_instead_of_hanging(tmp_path,

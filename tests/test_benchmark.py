@@ -192,7 +192,15 @@ def test_every_peer_runs_and_says_how_it_ended(tmp_path):
     assert rows["async_2w"]["ended_by_itself"].startswith("no: stopped")
     pushed = dict(p.split(":") for p in
                   rows["sro_2w"]["pushed_gradients"].split(";"))
-    assert set(pushed) == {"0", "1"} and int(pushed["0"]) >= 20
+    # Who pushes what depends on timing (one shared token queue: either
+    # worker may take most tokens). What holds for any timing: the 20
+    # applied steps averaged 2 gradients each, and every one of those 40
+    # was counted by its worker, except at most one in flight on worker 1
+    # when the benchmark stopped it: a push that never returned. (Its count
+    # is on disk twice a second, and it is stopped only seconds after the
+    # chief, which applies no step after its last.)
+    assert set(pushed) == {"0", "1"}
+    assert sum(int(n) for n in pushed.values()) >= 2 * 20 - 1
 
 
 def test_simulated_runs_start_the_projects_scripts():

@@ -113,7 +113,8 @@ def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
     train(tmp_path, fake_data, 2, *common, f"--train_steps={STEPS // 2}",
           num_ps=2, logdir=resumed)
     _, results = train(tmp_path, fake_data, 3, *common,
-                       f"--train_steps={STEPS}", logdir=resumed)
+                       f"--train_steps={STEPS}",
+                       "--continue_with_new_settings", logdir=resumed)
     assert results["global_step"] == STEPS
     assert results["steps_this_run"] == STEPS // 2
     difference = max_relative_difference(expected, final_parameters(resumed))

@@ -266,6 +266,44 @@ def test_new_export_replaces_the_old_one_whole(tmp_path, monkeypatch):
     assert loaded_parameter_names(str(target)) == softmax_names
 
 
+def serving_versions(base: pathlib.Path) -> list[int]:
+    """The versions TensorFlow Serving would see under model base path
+    `base`, each checked to be a SavedModel folder: numeric subfolders
+    (others are ignored) with saved_model.pb and variables/ (its index
+    and data shards)."""
+    found = sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())
+    for version in found:
+        folder = base / str(version)
+        assert (folder / "saved_model.pb").is_file()
+        assert (folder / "variables" / "variables.index").is_file()
+        assert list((folder / "variables").glob("variables.data-*"))
+    return found
+
+
+def test_versions_in_the_layout_tf_serving_loads(tmp_path):
+    """export/<step>/ per run end; the newest `keep` versions stay; the
+    highest is the newest and loads; other names are left alone."""
+    base = tmp_path / "export"
+    base.mkdir()
+    (base / "notes").mkdir()              # not a version: ignored, kept
+    for step in (100, 1000, 200, 300):
+        export.export_version(str(base), step, "mlp", 32,
+                              random_values("mlp", 32, step), keep=3)
+    assert serving_versions(base) == [200, 300, 1000]
+    assert (base / "notes").is_dir()
+    assert not [p for p in os.listdir(base) if p.startswith(".")]
+    newest = export.newest_version(str(base))
+    assert newest == str(base / "1000")
+    assert loaded_parameter_names(newest) == sorted(
+        f"{n}:0" for n in export.parameter_shapes("mlp", 32))
+    # The same version again (a rerun that only evaluated) is replaced.
+    export.export_version(str(base), 1000, "mlp", 32,
+                          random_values("mlp", 32, 9), keep=3)
+    assert serving_versions(base) == [200, 300, 1000]
+    with pytest.raises(UserError, match="no exported version"):
+        export.newest_version(str(tmp_path / "none"))
+
+
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> tuple[pathlib.Path, dict]:
     """A short softmax run of the real trainer (1 ps, 1 worker); its logdir
@@ -302,6 +340,8 @@ def test_export_of_a_run_checkpoint_matches_its_results(tmp_path, real_run):
 
 def test_chief_export_matches_results(real_run):
     logdir, results = real_run
-    accuracy = accuracy_in_fresh_process(logdir / "export")
+    assert export.versions(str(logdir / "export")) == [results["global_step"]]
+    accuracy = accuracy_in_fresh_process(
+        pathlib.Path(export.newest_version(str(logdir / "export"))))
     assert abs(accuracy - results["final_test_accuracy"]) * 100 <= (
         0.01 + 1e-9), (accuracy, results["final_test_accuracy"])

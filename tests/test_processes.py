@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 from absl import logging as absl_logging
 import pytest
@@ -109,19 +110,24 @@ def test_supervise_returns_none_when_all_exit_0(started):
     assert [c.poll() for c in started] == [0, 0]
 
 
-def written_progress_line(caplog) -> str:
+def written_progress_line(caplog, monkeypatch) -> str:
     """The line the real writer logs, formatted as absl prints it and
-    prefixed as the launcher relays the chief's output."""
-    interval = progress._Interval(time.monotonic() - 2.0)
+    prefixed as the launcher relays the chief's output. The clock is
+    fixed: 50 steps in exactly 2 s, however slow this machine is now."""
+    monkeypatch.setattr(progress, "time",
+                        types.SimpleNamespace(monotonic=lambda: 1002.0))
+    interval = progress._Interval(1000.0)
     interval.add(50, (3200, 3200 * 0.25, 3200 * 0.9375))
     with caplog.at_level(std_logging.INFO):
         progress._log(TrainConfig(logdir="x"), None, 150, 1000, interval, 7)
+    monkeypatch.undo()
     record = caplog.records[-1]
     return "[worker0] " + absl_logging.PythonFormatter().format(record)
 
 
-def test_the_progress_line_parses_back(caplog):
-    figures = progress.parse_progress_line(written_progress_line(caplog))
+def test_the_progress_line_parses_back(caplog, monkeypatch):
+    figures = progress.parse_progress_line(
+        written_progress_line(caplog, monkeypatch))
     assert figures["step"] == 150 and figures["train_steps"] == 1000
     assert figures["loss"] == pytest.approx(0.25)
     assert figures["train_accuracy"] == pytest.approx(0.9375)

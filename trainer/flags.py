@@ -19,13 +19,15 @@ from absl import flags
 from absl import logging
 
 from trainer.cluster import spec as cluster_lib
+from trainer.cluster import kubernetes
 from trainer.cluster import slurm
 from trainer.common.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES,
                             TrainConfig)
 
 # Flags the launcher sets for each task itself.
 _PER_TASK_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts",
-                   "cluster", "slurm_base_port")
+                   "cluster", "slurm_base_port", "kubernetes_workers",
+                   "kubernetes_port", "kubernetes_hold_after_end")
 _LOCAL_CLUSTER_FLAGS = ("num_workers",)
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
@@ -36,17 +38,31 @@ flags.DEFINE_string("ps_hosts", None,
                     "Comma-separated host:port of the ps tasks.")
 flags.DEFINE_string("worker_hosts", None,
                     "Comma-separated host:port of the workers, chief first.")
-flags.DEFINE_enum("cluster", "flags", ["flags", "slurm"],
+flags.DEFINE_enum("cluster", "flags", ["flags", "slurm", "kubernetes"],
                   "Where the cluster and this task's role come from. flags: "
                   "the cluster flags above, else TF_CONFIG; slurm: the srun "
-                  "job step (SLURM_PROCID, the step's node list).")
+                  "job step (SLURM_PROCID, the step's node list); "
+                  "kubernetes: the pod's StatefulSet name and ordinal "
+                  "(deploy/kubernetes.yaml).")
 flags.DEFINE_integer("num_ps", 1, "Number of ps tasks: of a local cluster "
-                     "the launcher starts, or with --cluster=slurm the first "
-                     "tasks of the job step.", lower_bound=1)
+                     "the launcher starts, with --cluster=slurm the first "
+                     "tasks of the job step, with --cluster=kubernetes the "
+                     "ps StatefulSet's replicas.", lower_bound=1)
 flags.DEFINE_integer("slurm_base_port", slurm.DEFAULT_BASE_PORT,
                      "With --cluster=slurm: the port of each node's first "
                      "task; further tasks on a node use the next ports.",
                      lower_bound=1, upper_bound=65535)
+flags.DEFINE_integer("kubernetes_workers", None,
+                     "With --cluster=kubernetes: the replicas of the worker "
+                     "StatefulSet (--num_ps: those of the ps one).",
+                     lower_bound=1)
+flags.DEFINE_integer("kubernetes_port", kubernetes.DEFAULT_PORT,
+                     "With --cluster=kubernetes: the port of every task.",
+                     lower_bound=1, upper_bound=65535)
+flags.DEFINE_boolean("kubernetes_hold_after_end", True,
+                     "With --cluster=kubernetes: after a clean end, stay up "
+                     "until the pod is deleted, so that the StatefulSet "
+                     "does not start the task again.")
 
 # --- Model and optimisation ---
 flags.DEFINE_enum("model", "cnn", list(MODELS), "Model to train.")
@@ -72,7 +88,7 @@ flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
                      "others still pull: for a step bound by a ps link's "
-                     "bandwidth (README, Across machines). Not with "
+                     "bandwidth (docs/how-it-works.md#ordered-pulls). Not with "
                      "--backup_workers.")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
@@ -107,7 +123,14 @@ flags.DEFINE_integer("log_every", 100, "Log and summarize every N steps.")
 flags.DEFINE_integer("eval_every", 500,
                      "Evaluate on the test set every N steps.")
 flags.DEFINE_integer("checkpoint_every", 500, "Checkpoint every N steps.")
-flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints to keep.")
+flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints (and exports) to "
+                     "keep.")
+flags.DEFINE_boolean("continue_with_new_settings", False,
+                     "Go on from the checkpoints in --logdir although they "
+                     "were trained for another number of steps (--train_steps"
+                     " or --epochs). Other changed settings (model, "
+                     "optimizer, learning rate, batch, seed, ...) need a new "
+                     "--logdir.")
 
 # --- Runtime ---
 flags.DEFINE_integer("intra_op_threads", 0,
@@ -219,7 +242,8 @@ def config_from_flags() -> TrainConfig:
         startup_timeout_secs=FLAGS.startup_timeout_secs,
         worker_timeout_secs=FLAGS.worker_timeout_secs,
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
-        ordered_pulls=FLAGS.ordered_pulls)
+        ordered_pulls=FLAGS.ordered_pulls,
+        continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 
 def task_from_flags() -> cluster_lib.Task:
@@ -227,6 +251,10 @@ def task_from_flags() -> cluster_lib.Task:
     if FLAGS.cluster == "slurm":
         task = slurm.task_from_slurm(os.environ, FLAGS.num_ps,
                                      FLAGS.slurm_base_port)
+    elif FLAGS.cluster == "kubernetes":
+        task = kubernetes.task_from_pod(os.environ, FLAGS.num_ps,
+                                        FLAGS.kubernetes_workers,
+                                        FLAGS.kubernetes_port)
     else:
         task = cluster_lib.resolve(
             FLAGS.job_name, FLAGS.task_index, FLAGS.ps_hosts,

@@ -20,6 +20,7 @@ from absl import app  # noqa: E402
 from absl import logging  # noqa: E402
 
 from trainer import flags as trainer_flags  # noqa: E402
+from trainer.cluster import kubernetes  # noqa: E402
 from trainer.common.config import validate  # noqa: E402
 from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
@@ -76,6 +77,8 @@ def main(argv) -> int:
         _exit_now("terminated", 143)
     error = outcome.get("error")
     if error is None:
+        if FLAGS.cluster == "kubernetes" and FLAGS.kubernetes_hold_after_end:
+            kubernetes.hold_after_end()
         return 0
     if isinstance(error, UserError):
         return _fail(error, 2)

@@ -170,7 +170,8 @@ def from_tf_config(text: str) -> Task:
         if not isinstance(config.get(key), dict):
             raise UserError(
                 f"{where} has no '{key}' object; it needs both 'cluster' "
-                "and 'task' (see the README's TF_CONFIG section)")
+                "and 'task' (see "
+                "docs/deploying.md#tf_config-kubeflow-tfjob-vertex-ai)")
     cluster, chief_job = _tf_config_cluster(config["cluster"])
     return _tf_config_task(config["task"], config["cluster"], cluster,
                            chief_job)

@@ -45,6 +45,7 @@ class TrainConfig:
     trace_steps: str | None = None     # "A:B": trace global steps [A, B)
     wire_dtype: str = "float32"        # parameters and gradients on links
     ordered_pulls: bool = False        # workers read parameters in turn
+    continue_with_new_settings: bool = False  # more steps on a logdir
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers

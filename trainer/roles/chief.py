@@ -220,11 +220,12 @@ class Chief(WorkerRole):
         return step
 
     def _export(self, logdir: pathlib.Path) -> None:
-        """The trained model as a SavedModel in <logdir>/export, for
-        serving (see trainer/saving/export.py)."""
+        """The trained model as a SavedModel in <logdir>/export/<step>/,
+        a TF Serving version (see trainer/saving/export.py)."""
         values = self.session.run(self.g.chief.param_values)
-        export.export_saved_model(str(logdir / EXPORT_DIR), self.config.model,
-                                  self.config.hidden_units, values)
+        export.export_version(str(logdir / EXPORT_DIR), self.train_steps,
+                              self.config.model, self.config.hidden_units,
+                              values, self.config.keep_checkpoints)
 
     def _no_counts(self) -> np.ndarray:
         return np.zeros([self.task.cluster.num_workers], np.int64)

@@ -12,6 +12,7 @@ from absl import logging
 import tensorflow as tf
 
 from trainer.saving import checkpoints
+from trainer.saving import settings
 from trainer.learning import data as data_lib
 from trainer.cluster import devices
 from trainer.roles import ps
@@ -34,12 +35,14 @@ def run(config: TrainConfig, task: Task) -> None:
     # writes its trace there when tracing.
     if task.is_chief or config.trace_steps:
         checkpoints.prepare_logdir(config.logdir)
-    if task.is_chief:
-        checkpoints.check_logdir_fits_model(config)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
     mnist = data_lib.load(data_dir, config.download,
                           data_lib.mirror_list(config.data_url),
                           need_test=task.is_chief)
+    if task.is_chief:  # before the data line: a rerun's first line
+        settings.check_logdir_settings(
+            config, config.resolved_train_steps(len(mnist.train_labels)))
+        checkpoints.check_logdir_fits_model(config)
     logging.info("data: %d training and %d test images from %s",
                  len(mnist.train_labels), len(mnist.test_labels), data_dir)
     role = (Chief if task.is_chief else Worker)(

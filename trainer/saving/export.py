@@ -1,8 +1,11 @@
 """Exports trained parameters as a SavedModel for inference.
 
-The SavedModel needs nothing of this package to be used:
+The chief writes `<logdir>/export/<global step>/`, the layout TensorFlow
+Serving loads: under a model base path, each folder named by an integer is
+a version, and the highest one is served. The newest --keep_checkpoints
+versions are kept. A SavedModel needs nothing of this package to be used:
 
-    loaded = tf.saved_model.load("runs/cnn/export")
+    loaded = tf.saved_model.load(newest_version("runs/cnn/export"))
     out = loaded.signatures["serving_default"](images=tf.constant(x))
     out["classes"], out["probabilities"]
 
@@ -182,3 +185,37 @@ def _replace(target: pathlib.Path, staging: str) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def versions(base_dir: str) -> list[int]:
+    """The version numbers under a TF Serving model base path, ascending:
+    folders named by an integer that hold a saved_model.pb."""
+    base = pathlib.Path(base_dir)
+    if not base.is_dir():
+        return []
+    return sorted(int(p.name) for p in base.iterdir()
+                  if p.name.isdigit() and (p / "saved_model.pb").is_file())
+
+
+def newest_version(base_dir: str) -> str:
+    """The folder of the highest version: the one TF Serving serves."""
+    found = versions(base_dir)
+    if not found:
+        raise UserError(f"no exported version in {base_dir}; give a run's "
+                        "<logdir>/export after training ended")
+    return str(pathlib.Path(base_dir) / str(found[-1]))
+
+
+def export_version(base_dir: str, version: int, model: str,
+                   hidden_units: int, values: dict[str, np.ndarray],
+                   keep: int) -> str:
+    """Writes version `version` (the global step) under `base_dir`, then
+    removes all but the newest `keep` versions (an export of the same
+    version is replaced whole). Returns the version's folder."""
+    path = export_saved_model(str(pathlib.Path(base_dir) / str(int(version))),
+                              model, hidden_units, values)
+    for old in versions(base_dir)[:-keep]:
+        shutil.rmtree(pathlib.Path(base_dir) / str(old), ignore_errors=True)
+        logging.info("removed export version %d (--keep_checkpoints=%d)",
+                     old, keep)
+    return path
