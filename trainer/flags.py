@@ -118,6 +118,11 @@ flags.DEFINE_string("trace_steps", None,
                     "TensorFlow's full trace on every worker; writes a "
                     "Chrome trace per worker and a per-step time breakdown "
                     "into --logdir (and results.json).")
+flags.DEFINE_boolean("firewall", False,
+                     "Before the server starts, install an nftables table "
+                     "(root) so that this task's port accepts TCP only from "
+                     "loopback and the cluster's hosts; removed at exit "
+                     "(docs/deploying.md#security).")
 flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
 
 FLAGS = flags.FLAGS
