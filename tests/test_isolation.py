@@ -23,6 +23,7 @@ import pytest
 
 from tests import helpers
 from trainer.cluster import isolation, local
+from trainer.common.errors import UserError
 
 pytestmark = pytest.mark.cluster
 RUN_SECS = 400
@@ -156,21 +157,29 @@ def test_nothing_outside_reaches_the_launchers_ports(can_isolate, tmp_path):
     assert results["final_test_accuracy"] >= 0.97
 
 
-def test_without_namespaces_one_line_and_the_run_goes_on(monkeypatch):
+def test_without_namespaces_one_line_and_the_run_goes_on(monkeypatch,
+                                                         tmp_path):
     def refuse():
         raise isolation.Unavailable("unshare --net failed: not permitted")
 
     monkeypatch.setattr(isolation, "isolate", refuse)
     monkeypatch.setattr(isolation, "only_loopback", lambda: False)
-    fetched = []
     warnings = []
     monkeypatch.setattr(local.logging, "warning",
                         lambda fmt, *a: warnings.append(fmt % a))
-    assert local.isolate_network(True, "localhost",
-                                 lambda: fetched.append(1)) is False
-    assert fetched == [1]
+    fetched = tmp_path / "fetched"  # fetch_data runs in a forked child
+    assert local.isolate_network(True, "localhost", fetched.touch) is False
+    assert fetched.exists()
     assert len(warnings) == 1 and "not permitted" in warnings[0]
     assert "open on every interface" in warnings[0]
+
+
+def test_a_failed_fetch_is_the_childs_one_line():
+    def missing():
+        raise UserError("data folder /nowhere does not exist; pass --data_dir")
+
+    with pytest.raises(UserError, match="^data folder /nowhere"):
+        isolation.in_child(missing)
 
 
 def test_a_host_outside_loopback_is_one_line(tmp_path):

@@ -26,6 +26,8 @@ import socket
 import struct
 import threading
 
+from trainer.common.errors import UserError
+
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -66,6 +68,41 @@ def _loopback_up() -> None:
                     struct.pack("16sH14x", b"lo", flags | _IFF_UP))
 
 
+def _thread_count() -> int:
+    """Threads of this process, native ones (e.g. OpenBLAS's) included."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def in_child(function) -> None:
+    """Runs function() in a forked child and waits for it, so that what it
+    imports (numpy starts threads) stays out of this process. A UserError
+    there is raised here with its message; any other failure as
+    RuntimeError."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without cleanup handlers
+        status, message = 0, b""
+        try:
+            function()
+        except UserError as e:
+            status, message = 2, str(e).encode()
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            status, message = 1, f"{type(e).__name__}: {e}".encode()
+        os.write(write_end, message)
+        os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        message = pipe.read().decode(errors="replace")
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if status == 2:
+        raise UserError(message)
+    if status:
+        raise RuntimeError(message or f"exit status {status}")
+
+
 def isolate() -> str:
     """Moves this process into a private network namespace with only
     loopback (up); returns how, for the log line. Raises Unavailable.
@@ -74,15 +111,18 @@ def isolate() -> str:
     child: a user namespace needs a single-threaded process, and children
     started earlier stay outside.
     """
-    if threading.active_count() > 1:
-        raise Unavailable("the process already runs other threads")
     root = os.geteuid() == 0
+    threads = _thread_count()
+    if not root and threads > 1:
+        raise Unavailable(f"this process runs {threads} threads, and a user "
+                          "namespace needs a single-threaded one")
     uid, gid = os.geteuid(), os.getegid()
     try:
         _unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET)
     except OSError as e:
         hint = {errno.EPERM: "not permitted here",
-                errno.EINVAL: "not supported by this kernel",
+                errno.EINVAL: "invalid here (no such namespaces in this "
+                "kernel?)",
                 errno.ENOSPC: "the user-namespace limit is reached",
                 errno.EUSERS: "the user-namespace limit is reached"}
         reason = hint.get(e.errno, e.strerror or str(e))

@@ -121,15 +121,15 @@ def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
     network namespace with only loopback (trainer/cluster/isolation.py)
     and says so in one line; returns whether the cluster is isolated.
 
-    fetch_data() runs first, while the network is still there (the MNIST
-    download). Where the machine allows no such namespace, one line says
+    fetch_data() runs first, in a child process, while the network is
+    still there (the MNIST download). Where the machine allows no such namespace, one line says
     why and the run goes on as with isolation off.
 
     Raises UserError if --host is not a loopback address (the namespace
     has nothing else).
     """
     if not enabled:
-        logging.info("isolation: off (--noisolate); %s", SECURITY_NOTICE)
+        logging.info("isolation: off (--noisolate)")
         return False
     if host not in _LOOPBACK_NAMES:
         raise UserError(f"--host={host} cannot be used with isolation: the "
@@ -141,7 +141,7 @@ def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
                      "loopback; the cluster's ports are reachable from "
                      "nowhere else")
         return True
-    fetch_data()
+    isolation.in_child(fetch_data)  # keeps this process single-threaded
     try:
         how = isolation.isolate()
     except isolation.Unavailable as e:
