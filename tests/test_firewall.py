@@ -220,6 +220,53 @@ def test_a_refused_ruleset_leaves_no_rule():
     assert firewall.TABLE_PREFIX not in result.stdout.split("status=2")[1]
 
 
+# In a private network namespace: a ps task with --firewall, stopped by a
+# signal once its table is in; prints its exit status and the tables left.
+SIGNALLED = """
+import json, signal, subprocess, sys, time
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+task = subprocess.Popen(
+    [sys.executable, "-m", "trainer.main", "--firewall", "--job_name=ps",
+     "--task_index=0", "--ps_hosts=localhost:2222",
+     "--worker_hosts=localhost:2223"], stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT, text=True)
+seen = []
+deadline = time.monotonic() + 60
+for line in task.stdout:
+    seen.append(line)
+    if "serving" in line or time.monotonic() > deadline:
+        break
+task.send_signal(getattr(signal, sys.argv[1]))
+try:
+    status = task.wait(timeout=30)
+except subprocess.TimeoutExpired:
+    task.kill()
+    status = task.wait()
+seen += task.stdout.readlines()
+tables = subprocess.run(["nft", "list", "tables"], capture_output=True,
+                        text=True).stdout
+print(json.dumps({"status": status, "tables": tables, "log": "".join(seen)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                    reason="needs root and nft")
+@pytest.mark.parametrize("signal_name, status", [("SIGTERM", 143),
+                                                 ("SIGINT", 130)])
+def test_sigterm_and_ctrl_c_remove_the_table(signal_name, status):
+    result = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", SIGNALLED, signal_name],
+        capture_output=True, text=True, timeout=150, cwd=helpers.REPO,
+        env=helpers.python_env())
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    log = outcome["log"]
+    assert "firewall: table inet mnist_trainer_2222" in log, log
+    assert "serving" in log, log
+    assert outcome["status"] == status, log
+    assert "firewall: removed table inet mnist_trainer_2222" in log, log
+    assert firewall.TABLE_PREFIX not in outcome["tables"]
+
+
 def test_the_ruleset_names_the_port_and_every_address():
     text = firewall.ruleset(2222, ["198.18.0.1", "198.18.0.2"], ["fd00::1"])
     assert "table inet mnist_trainer_2222 {" in text

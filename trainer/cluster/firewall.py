@@ -66,8 +66,8 @@ def resolve_hosts(task: Task) -> tuple[list[str], list[str]]:
             if getattr(ip, "ipv4_mapped", None):
                 ip = ip.ipv4_mapped
             (v4 if ip.version == 4 else v6).add(str(ip))
-    key = lambda text: ipaddress.ip_address(text)  # noqa: E731
-    return sorted(v4, key=key), sorted(v6, key=key)
+    return (sorted(v4, key=ipaddress.ip_address),
+            sorted(v6, key=ipaddress.ip_address))
 
 
 def ruleset(port: int, v4: list[str], v6: list[str]) -> str:
