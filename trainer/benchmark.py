@@ -253,11 +253,13 @@ def main(argv) -> int:
 def _isolate_local_runs() -> list[str]:
     """--hosts=local: moves this process into a private network namespace
     (trainer/cluster/local.py), so that every run's servers are out of
-    reach; returns the launcher flag that keeps its runs as they are."""
+    reach; returns the flags for the launcher of each ps run. If this
+    process cannot move (without root, a process with threads cannot
+    enter a user namespace), each launcher still isolates its own run."""
     from trainer.cluster import local
-    isolated = local.isolate_network(FLAGS.isolate, "localhost",
-                                     trainer_flags.fetch_data)
-    return [] if isolated else ["--noisolate"]
+    local.isolate_network(FLAGS.isolate, "localhost",
+                          trainer_flags.fetch_data)
+    return [] if FLAGS.isolate else ["--noisolate"]
 
 
 def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
