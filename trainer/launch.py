@@ -60,6 +60,9 @@ def main(argv) -> int:
     except UserError as e:
         logging.error("%s", e)
         return trainer_flags.INPUT_ERROR_STATUS
+    except KeyboardInterrupt:  # while fetching MNIST: no task started yet
+        logging.error("interrupted")
+        return 130
     return launcher.launch(
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),

@@ -122,8 +122,9 @@ def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
     and says so in one line; returns whether the cluster is isolated.
 
     fetch_data() runs first, in a child process, while the network is
-    still there (the MNIST download). Where the machine allows no such namespace, one line says
-    why and the run goes on as with isolation off.
+    still there (the MNIST download). Where the machine allows no such
+    namespace, one line says why and the run goes on as with isolation
+    off.
 
     Raises UserError if --host is not a loopback address (the namespace
     has nothing else).
