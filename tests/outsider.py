@@ -41,7 +41,7 @@ def read_variable(target: str, timeout_secs: float) -> dict:
 def attempt(target: str, timeout_secs: float) -> dict:
     """read_variable's answer or its error; "secs" counts the attempt
     alone (TensorFlow is imported before the clock starts)."""
-    import tensorflow as tf  # noqa: F401
+    import tensorflow  # noqa: F401 (imported before the clock starts)
     started = time.monotonic()
     try:
         outcome = read_variable(target, timeout_secs)
