@@ -9,6 +9,9 @@ root, the same ports are tried from inside the cluster's namespace at the
 same time (`nsenter --net=/proc/<ps pid>/ns/net`), and must answer.
 """
 
+import functools
+import hashlib
+import http.server
 import json
 import os
 import re
@@ -154,6 +157,45 @@ def test_nothing_outside_reaches_the_launchers_ports(can_isolate, tmp_path):
     results = json.loads((logdir / "results.json").read_text())
     print(f"test accuracy {results['final_test_accuracy']:.4f}")
     assert results["final_test_accuracy"] >= 0.97
+
+
+def test_mnist_is_downloaded_before_the_network_goes(can_isolate, tmp_path):
+    # The mirror listens on this namespace's loopback, which the tasks in
+    # theirs cannot reach: only the launcher's fetch, made before it
+    # leaves, can get the files.
+    data = helpers.real_mnist_dir()
+    if data is None:
+        pytest.skip("real MNIST not found; set MNIST_DATA_DIR")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(data))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    # The shared copy is re-compressed: its checksums stand in for the
+    # published ones, as in tests/test_data.py.
+    sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in data.glob("*.gz")}
+    launch = ("import json, sys\n"
+              "from trainer.learning import data\n"
+              "data.SHA256.update(json.loads(sys.argv.pop(1)))\n"
+              "sys.argv[0] = 'trainer.launch'\n"
+              "from trainer import launch\n"
+              "launch.run_main()\n")
+    try:
+        result = helpers.run(
+            ["-c", launch, json.dumps(sums), "--model=softmax",
+             "--train_steps=20",
+             f"--logdir={tmp_path / 'run'}", f"--data_dir={tmp_path / 'd'}",
+             f"--data_url=http://127.0.0.1:{server.server_address[1]}/"],
+            timeout=RUN_SECS)
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "isolation: the cluster runs in a private" in result.stdout
+    assert len(list((tmp_path / "d").glob("*.gz"))) == 4
+    assert (tmp_path / "run" / "results.json").exists()
 
 
 def test_without_namespaces_one_line_and_the_run_goes_on(monkeypatch,
