@@ -195,8 +195,11 @@ def define_isolate_flag() -> None:
 
 
 def fetch_data() -> None:
-    """Downloads the MNIST files missing from --data_dir (if --download),
-    before a command leaves the network; raises UserError."""
+    """Downloads the MNIST files missing from --data_dir, before a command
+    leaves the network; raises UserError. With --nodownload it does
+    nothing: the tasks check the files themselves, as they always do."""
+    if not FLAGS.download:
+        return
     from trainer.learning import data as data_lib
     data_lib.fetch_missing(data_lib.resolve_data_dir(FLAGS.data_dir),
                            FLAGS.download, data_lib.mirror_list(FLAGS.data_url))
