@@ -30,6 +30,7 @@ from tests.test_multihost import (CPUS, PORT, STEPS, HostCluster,
                                   assert_finished)
 from trainer.bench.simhosts import hosts
 from trainer.cluster import firewall
+from trainer.cluster import spec as cluster_spec
 from trainer.common.errors import UserError
 
 OUTSIDER_TIMEOUT_SECS = 5
@@ -276,3 +277,13 @@ def test_the_ruleset_names_the_port_and_every_address():
     assert text.index("saddr") < text.index("tcp dport 2222 drop")
     assert text.startswith("table inet mnist_trainer_2222\n"
                            "delete table inet mnist_trainer_2222\n")
+
+
+def test_every_host_is_resolved_once_into_its_family():
+    task = cluster_spec.resolve(
+        "worker", 1, "198.18.0.2:2222,[fd00::2]:2222",
+        "198.18.0.3:2222,198.18.0.2:2223,localhost:2224", None)
+    v4, v6 = firewall.resolve_hosts(task)
+    assert v4[:3] == ["127.0.0.1", "198.18.0.2", "198.18.0.3"]
+    assert "fd00::2" in v6
+    assert firewall.Firewall(task).table == "mnist_trainer_2223"

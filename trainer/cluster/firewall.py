@@ -61,7 +61,7 @@ def resolve_hosts(task: Task) -> tuple[list[str], list[str]]:
                 f"--firewall: host '{host}' of '{address}' does not resolve "
                 f"({getattr(e, 'strerror', None) or e}); use a name every "
                 "machine resolves or an IP address") from None
-        for family, _, _, _, sockaddr in infos:
+        for *_, sockaddr in infos:
             ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
             if getattr(ip, "ipv4_mapped", None):
                 ip = ip.ipv4_mapped
