@@ -46,6 +46,8 @@ from trainer.common import processes
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
 
+trainer_flags.define_isolate_flag()
+
 flags.DEFINE_list("workers", ["1", "2", "4"],
                   "Worker counts to run the ps cluster (and MWMS) with.")
 flags.DEFINE_list("baselines", ["single", "mwms"],
@@ -245,6 +247,12 @@ def main(argv) -> int:
     train_flags.append(f"--checkpoint_every={runs_lib.NO_CHECKPOINTS}")
     sim = hosts if isinstance(hosts, simulated.HostSettings) else None
     steps = hosts if isinstance(hosts, slurm_steps.StepSettings) else None
+    if sim is None and steps is None:
+        try:  # every local run, the peers' too, in one private network
+            train_flags += _isolate_local_runs()
+        except UserError as e:
+            logging.error("%s", e)
+            return 2
     if steps is not None:
         logging.info("%s", slurm_steps.describe(steps))
         if FLAGS["intra_op_threads"].present:  # else the trainer's default
@@ -266,6 +274,18 @@ def main(argv) -> int:
     report.emit(_footer(rows, reference, out))
     return 0 if all(math.isfinite(r.get("images_per_sec", math.nan))
                     for r in rows) else 1
+
+
+def _isolate_local_runs() -> list[str]:
+    """--hosts=local: moves this process into a private network namespace
+    (trainer/cluster/local.py), so that every run's servers are out of
+    reach; returns the flags for the launcher of each ps run. If this
+    process cannot move (without root, a process with threads cannot
+    enter a user namespace), each launcher still isolates its own run."""
+    from trainer.cluster import local
+    local.isolate_network(FLAGS.isolate, "localhost",
+                          trainer_flags.fetch_data)
+    return [] if FLAGS.isolate else ["--noisolate"]
 
 
 def _footer(rows: list, reference: float, out: pathlib.Path) -> str:

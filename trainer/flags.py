@@ -28,7 +28,7 @@ from trainer.common.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES
 _PER_TASK_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts",
                    "cluster", "slurm_base_port", "kubernetes_workers",
                    "kubernetes_port", "kubernetes_hold_after_end")
-_LOCAL_CLUSTER_FLAGS = ("num_workers",)
+_LOCAL_CLUSTER_FLAGS = ("num_workers", "isolate")
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
 flags.DEFINE_enum("job_name", None, ["ps", "worker"],
@@ -151,6 +151,11 @@ flags.DEFINE_string("trace_steps", None,
                     "TensorFlow's full trace on every worker; writes a "
                     "Chrome trace per worker and a per-step time breakdown "
                     "into --logdir (and results.json).")
+flags.DEFINE_boolean("firewall", False,
+                     "Before the server starts, install an nftables table "
+                     "(root) so that this task's port accepts TCP only from "
+                     "loopback and the cluster's hosts; removed at exit "
+                     "(docs/deploying.md#security).")
 flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
 
 FLAGS = flags.FLAGS
@@ -220,6 +225,28 @@ def define_local_cluster_flags(num_workers: int = 2) -> None:
     (launch, soak): --num_workers."""
     flags.DEFINE_integer("num_workers", num_workers, "Number of workers "
                          "(the first is the chief).", lower_bound=1)
+
+
+def define_isolate_flag() -> None:
+    """--isolate, of the commands that run clusters on this machine
+    (launch, soak, benchmark with --hosts=local)."""
+    flags.DEFINE_boolean(
+        "isolate", True, "Run the cluster in a private network namespace "
+        "with only loopback (unshare --net; --user --net without root), so "
+        "that nothing else can reach its ports; the MNIST download happens "
+        "before. Where the machine allows neither, one line says so and "
+        "the run goes on without.")
+
+
+def fetch_data() -> None:
+    """Downloads the MNIST files missing from --data_dir, before a command
+    leaves the network; raises UserError. With --nodownload it does
+    nothing: the tasks check the files themselves, as they always do."""
+    if not FLAGS.download:
+        return
+    from trainer.learning import data as data_lib
+    data_lib.fetch_missing(data_lib.resolve_data_dir(FLAGS.data_dir),
+                           FLAGS.download, data_lib.mirror_list(FLAGS.data_url))
 
 
 def config_from_flags() -> TrainConfig:

@@ -13,11 +13,14 @@ import signal
 
 from absl import app
 from absl import flags
+from absl import logging
 
 from trainer import flags as trainer_flags
 from trainer.cluster import local as launcher
+from trainer.common.errors import UserError
 
 trainer_flags.define_local_cluster_flags()
+trainer_flags.define_isolate_flag()
 flags.DEFINE_string("host", "localhost",
                     "Address the tasks use to reach each other.")
 flags.DEFINE_string("report", None,
@@ -57,10 +60,20 @@ def main(argv) -> int:
     # SIGINT as ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        isolated = launcher.isolate_network(FLAGS.isolate, FLAGS.host,
+                                            trainer_flags.fetch_data)
+    except UserError as e:
+        logging.error("%s", e)
+        return trainer_flags.INPUT_ERROR_STATUS
+    except KeyboardInterrupt:  # while fetching MNIST: no task started yet
+        logging.error("interrupted")
+        return 130
     return launcher.launch(
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
-        FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts)
+        FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
+        isolated)
 
 
 def run_main():

@@ -5,6 +5,7 @@ TrainConfig and a Task and calls trainer.roles.run.run. Bad input ends the proce
 line and status 2, a run that cannot go on with status 1.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -25,15 +26,20 @@ from trainer.common.config import validate  # noqa: E402
 from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
 FLAGS = trainer_flags.FLAGS
+# Run before os._exit (which skips atexit): e.g. removing --firewall's rules.
+_AT_EXIT = []
 
 
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
     try:
         task = trainer_flags.task_from_flags()
         config = trainer_flags.config_from_flags()
         validate(config, task.cluster.num_workers)
+        if FLAGS.firewall:
+            _install_firewall(task)
     except UserError as e:
         return _fail(e, 2)
     from trainer.roles import run as train# imports TensorFlow: after the flag checks
@@ -50,9 +56,10 @@ def main(argv) -> int:
         except BaseException as e:  # handed to the main thread
             outcome["error"] = e
 
-    # SIGTERM (Slurm, Kubernetes, spot instances) is a request to leave: a
-    # worker tells the chief and exits; the chief saves at the next step
-    # boundary and stops every task first (trainer/roles/run.py).
+    # From here on, SIGTERM (Slurm, Kubernetes, spot instances) is a
+    # request to leave: a worker tells the chief and exits; the chief saves
+    # at the next step boundary and stops every task first
+    # (trainer/roles/run.py).
     terminated = []
     signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     thread = threading.Thread(target=train_to_the_end, name="train",
@@ -87,6 +94,16 @@ def main(argv) -> int:
     raise error
 
 
+def _install_firewall(task) -> None:
+    """--firewall: this task's nftables table, removed at any exit
+    (normal, error, Ctrl-C, SIGTERM; _exit_now runs _AT_EXIT too)."""
+    from trainer.cluster import firewall
+    wall = firewall.Firewall(task)
+    _AT_EXIT.append(wall.remove)
+    atexit.register(wall.remove)
+    wall.install(task)
+
+
 def _fail(error: Exception, status: int) -> int:
     if FLAGS.debug:
         raise error
@@ -98,6 +115,8 @@ def _exit_now(why: str, status: int) -> None:
     """Ends the process now. Checkpoints are safe: TensorFlow only points
     `checkpoint` at a new one after it is fully written."""
     logging.error("%s; exiting", why)
+    for cleanup in _AT_EXIT:
+        cleanup()
     logging.flush()
     sys.stdout.flush()
     sys.stderr.flush()

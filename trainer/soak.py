@@ -31,6 +31,7 @@ from trainer.common import processes
 from trainer.observe import progress
 
 trainer_flags.define_local_cluster_flags(num_workers=4)
+trainer_flags.define_isolate_flag()
 
 flags.DEFINE_integer("warmup_steps", 1000,
                      "Memory after this many steps is the reference.")
@@ -169,7 +170,8 @@ def main(argv) -> int:
                f"--num_workers={FLAGS.num_workers}",
                f"--model={FLAGS.model if FLAGS['model'].present else 'mlp'}",
                f"--train_steps={train_steps}", f"--logdir={out / 'run'}",
-               f"--min_workers={FLAGS.num_workers}", *args]
+               f"--min_workers={FLAGS.num_workers}",
+               f"--isolate={str(FLAGS.isolate).lower()}", *args]
     logging.info("soak: %s", " ".join(command[1:]))
     start = time.monotonic()
     status, sampler = _run_launcher(command, out / "launch.log")

@@ -23,7 +23,9 @@ import time
 
 from absl import logging
 
+from trainer.cluster import isolation
 from trainer.common import processes
+from trainer.common.errors import UserError
 
 # Start-up chatter of TensorFlow's C++ runtime that says nothing about the
 # run; everything else a task prints is passed through.
@@ -117,9 +119,54 @@ def start_task(job: str, index: int, argv: list[str],
     return task
 
 
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
+    """Moves the launcher (and so every task it starts) into a private
+    network namespace with only loopback (trainer/cluster/isolation.py)
+    and says so in one line; returns whether the cluster is isolated.
+
+    fetch_data() runs first, in a child process, while the network is
+    still there (the MNIST download). Where the machine allows no such
+    namespace, one line says why and the run goes on as with isolation
+    off.
+
+    Raises UserError if --host is not a loopback address (the namespace
+    has nothing else).
+    """
+    if not enabled:
+        logging.info("isolation: off (--noisolate)")
+        return False
+    if host not in _LOOPBACK_NAMES:
+        raise UserError(f"--host={host} cannot be used with isolation: the "
+                        "cluster's private network has only loopback; use "
+                        "--host=localhost, or --noisolate to run on the "
+                        "machine's network")
+    if isolation.only_loopback():
+        logging.info("isolation: already in a network namespace with only "
+                     "loopback; the cluster's ports are reachable from "
+                     "nowhere else")
+        return True
+    isolation.in_child(fetch_data)  # keeps this process single-threaded
+    try:
+        how = isolation.isolate()
+    except isolation.Unavailable as e:
+        logging.warning("isolation: unavailable (%s); the cluster's ports "
+                        "are open on every interface of this machine, as "
+                        "with --noisolate", e)
+        return False
+    logging.info("isolation: the cluster runs in %s with only loopback; no "
+                 "other machine, and no process outside it on this "
+                 "machine, can reach its ports (--noisolate turns this off)",
+                 how)
+    return True
+
+
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
            worker_flags: list[str], exit_grace_secs: float,
-           report: str | None = None, worker_restarts: int = 0) -> int:
+           report: str | None = None, worker_restarts: int = 0,
+           isolated: bool = False) -> int:
     """Runs the cluster to the end; returns the exit status of the run.
 
     Args:
@@ -127,12 +174,14 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
       worker_flags: further flags for the workers only (thread counts).
       worker_restarts: how often a failed worker (not the chief) is
         started again.
+      isolated: isolate_network() succeeded (no security notice).
     """
     ports = free_ports(host, num_ps + num_workers)
     ps_hosts = ",".join(f"{host}:{p}" for p in ports[:num_ps])
     worker_hosts = ",".join(f"{host}:{p}" for p in ports[num_ps:])
     logging.info("cluster: ps %s; workers %s", ps_hosts, worker_hosts)
-    logging.info(SECURITY_NOTICE)
+    if not isolated:
+        logging.info(SECURITY_NOTICE)
     env = processes.child_env()
 
     def argv(job, index):

@@ -217,6 +217,28 @@ def download(name: str, data_dir: pathlib.Path, mirrors=MIRRORS,
         f"point --data_dir or ${ENV_DATA_DIR} at a folder that has them")
 
 
+def fetch_missing(data_dir: pathlib.Path, allow_download: bool = True,
+                  mirrors=MIRRORS, checksums=None,
+                  names=(TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES,
+                         TEST_LABELS)) -> None:
+    """Downloads (and checks) those of `names` missing from data_dir, or
+    raises UserError; reads nothing. The local launcher calls it before it
+    leaves the network (trainer/cluster/isolation.py)."""
+    data_dir = pathlib.Path(data_dir)
+    if not allow_download and not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir} does not exist; pass "
+                        f"--data_dir or set ${ENV_DATA_DIR} to the folder "
+                        "with the MNIST .gz files")
+    for name in names:
+        if not (data_dir / name).exists():
+            if not allow_download:
+                raise UserError(
+                    f"{data_dir / name} is missing and downloading is off; "
+                    f"copy the file there or point --data_dir or "
+                    f"${ENV_DATA_DIR} at the folder that has it")
+            download(name, data_dir, mirrors, checksums)
+
+
 def load(data_dir: pathlib.Path, allow_download: bool = True,
          mirrors=MIRRORS, checksums=None, need_train: bool = True,
          need_test: bool = True) -> Mnist:
@@ -230,20 +252,9 @@ def load(data_dir: pathlib.Path, allow_download: bool = True,
       need_train, need_test: which half to read; the other is left empty.
     """
     data_dir = pathlib.Path(data_dir)
-    if not allow_download and not data_dir.is_dir():
-        raise UserError(f"data folder {data_dir} does not exist; pass "
-                        f"--data_dir or set ${ENV_DATA_DIR} to the folder "
-                        "with the MNIST .gz files")
     wanted = ((TRAIN_IMAGES, TRAIN_LABELS) if need_train else ()) + (
         (TEST_IMAGES, TEST_LABELS) if need_test else ())
-    for name in wanted:
-        if not (data_dir / name).exists():
-            if not allow_download:
-                raise UserError(
-                    f"{data_dir / name} is missing and downloading is off; "
-                    f"copy the file there or point --data_dir or "
-                    f"${ENV_DATA_DIR} at the folder that has it")
-            download(name, data_dir, mirrors, checksums)
+    fetch_missing(data_dir, allow_download, mirrors, checksums, wanted)
     empty_images = np.zeros((0, IMAGE_SIZE, IMAGE_SIZE), np.uint8)
     empty_labels = np.zeros((0,), np.uint8)
     train = (_read_pair(data_dir / TRAIN_IMAGES, data_dir / TRAIN_LABELS)

@@ -1,0 +1,289 @@
+"""`--firewall` across simulated hosts, with an outsider on the same bridge.
+
+Hosts ps0, worker0 (the chief) and worker1 run the cluster with the
+scripts, as on three machines (tests/test_multihost.py's HostCluster); a
+fourth host, `outsider`, is on the same bridge but not in the cluster. It
+runs tests/outsider.py: `tf.compat.v1.Session("grpc://PS:2222")` and a read
+of the model's first parameter shard. It tries while the chief waits for
+worker 1 (after "chief ready", before worker 1 starts), so the model is on
+the ps for any timing.
+
+Needs root, simulated hosts, `nft` and the real MNIST; skipped with the
+reason otherwise. Bad input (no root, no nft, a host that does not
+resolve) goes through the real command line, in a private network
+namespace where it needs one, and never touches this machine's rules.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import helpers
+from tests.test_cluster_runs import final_parameters, max_relative_difference
+from tests.test_multihost import (CPUS, PORT, STEPS, HostCluster,
+                                  assert_finished)
+from trainer.bench.simhosts import hosts
+from trainer.cluster import firewall
+from trainer.cluster import spec as cluster_spec
+from trainer.common.errors import UserError
+
+OUTSIDER_TIMEOUT_SECS = 5
+TABLE = firewall.table_name(PORT)
+
+
+@pytest.fixture(scope="module")
+def sim():
+    """Simulated hosts with an outsider; removed at the module's end."""
+    if shutil.which("nft") is None:
+        pytest.skip("`nft` not found; install nftables "
+                    "(.ci/install_nftables.sh)")
+    if helpers.real_mnist_dir() is None:
+        pytest.skip("real MNIST not found; set MNIST_DATA_DIR")
+    try:
+        made = hosts.SimulatedHosts()
+    except UserError as e:
+        pytest.skip(str(e))
+    with made:
+        made.add_host("outsider", link_rate="1gbit")
+        yield made
+
+
+def outsider_reads(sim, c: HostCluster) -> dict:
+    """The outsider's attempt on ps0's port (tests/outsider.py)."""
+    target = f"{c.hosts['ps0'].address}:{PORT}"
+    process = sim.hosts["outsider"].popen(
+        [sys.executable, "-m", "tests.outsider", target,
+         str(OUTSIDER_TIMEOUT_SECS)], env=helpers.python_env(),
+        cwd=helpers.REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True)
+    try:
+        out, _ = process.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise AssertionError("the outsider did not finish in 90 s") from None
+    outcome = json.loads(out.strip().splitlines()[-1])
+    print(f"outsider ({sim.hosts['outsider'].address}) -> {target}: "
+          f"{outcome}")
+    return outcome
+
+
+def trainer_tables(host) -> list[str]:
+    """The trainer's nftables tables in a host's namespace."""
+    listing = subprocess.run(
+        ["ip", "netns", "exec", host.namespace, "nft", "list", "tables"],
+        capture_output=True, text=True, timeout=30, check=True).stdout
+    return re.findall(rf"\b{firewall.TABLE_PREFIX}\d+\b", listing)
+
+
+def start_until_chief_waits(c: HostCluster) -> None:
+    """ps0 and the chief; returns once the chief has the model on the ps
+    and waits for worker 1 (not started yet)."""
+    c.start("ps0")
+    c.start("worker0")
+    deadline = time.monotonic() + 240
+    while "chief ready at global step 0" not in c.log("worker0"):
+        assert time.monotonic() < deadline, c.tails()
+        assert c.processes["worker0"].poll() is None, c.tails()
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def open_run(sim, tmp_path_factory):
+    """The cluster without --firewall, the outsider trying mid-run:
+    (the outsider's outcome, the final parameters)."""
+    c = HostCluster(sim, tmp_path_factory.mktemp("open"),
+                    helpers.real_mnist_dir(), CPUS)
+    try:
+        start_until_chief_waits(c)
+        outcome = outsider_reads(sim, c)
+        c.start("worker1")
+        assert_finished(c)
+    finally:
+        c.stop()
+    return outcome, final_parameters(c.logdir)
+
+
+def test_without_the_flag_an_outsider_reads_the_model(open_run):
+    # The hole: this fails if it ever closes unannounced.
+    outcome, _ = open_run
+    assert outcome["read"], outcome
+    assert outcome["floats"] == 784 * 32 + 32 + 32 * 10 + 10  # mlp, 32 units
+
+
+def test_with_the_flag_only_the_cluster_gets_in(sim, open_run, tmp_path):
+    c = HostCluster(sim, tmp_path, helpers.real_mnist_dir(), CPUS,
+                    "--firewall", "--worker_timeout_secs=120")
+    try:
+        start_until_chief_waits(c)
+        outcome = outsider_reads(sim, c)
+        assert not outcome["read"], outcome
+        assert outcome["secs"] <= OUTSIDER_TIMEOUT_SECS + 5, outcome
+        c.start("worker1")
+        c.wait_for_step(50)
+        assert f"step {STEPS}/" not in c.log("worker0")
+        c.processes["worker1"].kill()  # SIGKILL: its table stays behind
+        c.processes["worker1"].wait(timeout=30)
+        assert trainer_tables(c.hosts["worker1"]) == [TABLE]
+        c.start("worker1")
+        assert_finished(c)
+    finally:
+        c.stop()
+    assert "replaced one left by an earlier task" in c.log("worker1")
+    difference = max_relative_difference(open_run[1],
+                                         final_parameters(c.logdir))
+    print(f"largest relative parameter difference from the open run: "
+          f"{difference:.3g}")
+    assert difference <= 1e-5
+    for name, host in c.hosts.items():
+        assert trainer_tables(host) == [], name
+        assert "firewall: removed table" in c.log(name), name
+
+
+def run_main(*flags, env=None, wrap=()):
+    """`python -m trainer.main --firewall ...`, bounded; (status, output)."""
+    argv = [*wrap, sys.executable, "-m", "trainer.main", "--firewall",
+            "--job_name=ps", "--task_index=0", *flags]
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, cwd=helpers.REPO,
+        env=env or helpers.python_env())
+    return result.returncode, result.stdout + result.stderr
+
+
+def assert_one_line(status, output, pattern):
+    errors = [line for line in output.splitlines() if " main.py:" in line]
+    assert status == 2, output
+    assert len(errors) == 1 and re.search(pattern, errors[0]), output
+    assert "Traceback" not in output
+
+
+CLUSTER = ("--ps_hosts=localhost:2222", "--worker_hosts=localhost:2223")
+
+
+def test_not_root_is_one_line():
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("as root, needs setpriv (util-linux) to drop root")
+    status, output = run_main(*CLUSTER,
+                              wrap=nobody if os.geteuid() == 0 else ())
+    assert_one_line(status, output, r"--firewall needs root")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (else: not root)")
+def test_no_nft_is_one_line():
+    status, output = run_main(*CLUSTER,
+                              env=helpers.python_env(PATH="/nonexistent"))
+    assert_one_line(status, output, r"needs the `nft` command")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                    reason="needs root and nft")
+def test_unresolvable_host_is_one_line_and_installs_nothing():
+    # In a private network namespace; its tables are listed after the run.
+    script = ('"$@"; echo "status=$?"; nft list tables')
+    wrap = ["unshare", "--net", "sh", "-c", script, "sh"]
+    status, output = run_main("--ps_hosts=localhost:2222",
+                              "--worker_hosts=no-such-host.invalid:2223",
+                              wrap=wrap)
+    assert status == 0 and "status=2" in output, output
+    assert_one_line(2, output, r"'no-such-host\.invalid' .* does not resolve")
+    assert firewall.TABLE_PREFIX not in output
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                    reason="needs root and nft")
+def test_a_refused_ruleset_leaves_no_rule():
+    # The table is fine but a rule is not: nft applies none of it.
+    code = ("import sys\n"
+            "from trainer.cluster import firewall\n"
+            "good = firewall.ruleset\n"
+            "firewall.ruleset = lambda *a: good(*a).replace("
+            "'drop', 'drop bogus')\n"
+            "sys.argv[0] = 'trainer.main'\n"
+            "from trainer import main\n"
+            "main.run_main()\n")
+    script = '"$@"; echo "status=$?"; nft list tables'
+    wrap = ["unshare", "--net", "sh", "-c", script, "sh"]
+    argv = [*wrap, sys.executable, "-c", code, "--firewall", "--job_name=ps",
+            "--task_index=0", *CLUSTER]
+    result = subprocess.run(argv, capture_output=True, text=True,
+                            timeout=120, cwd=helpers.REPO,
+                            env=helpers.python_env())
+    output = result.stdout + result.stderr
+    assert "status=2" in output, output
+    assert_one_line(2, output, r"nft refused table .* nothing was installed")
+    assert firewall.TABLE_PREFIX not in result.stdout.split("status=2")[1]
+
+
+# In a private network namespace: a ps task with --firewall, stopped by a
+# signal once its table is in; prints its exit status and the tables left.
+SIGNALLED = """
+import json, signal, subprocess, sys, time
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+task = subprocess.Popen(
+    [sys.executable, "-m", "trainer.main", "--firewall", "--job_name=ps",
+     "--task_index=0", "--ps_hosts=localhost:2222",
+     "--worker_hosts=localhost:2223"], stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT, text=True)
+seen = []
+deadline = time.monotonic() + 60
+for line in task.stdout:
+    seen.append(line)
+    if "serving" in line or time.monotonic() > deadline:
+        break
+task.send_signal(getattr(signal, sys.argv[1]))
+try:
+    status = task.wait(timeout=30)
+except subprocess.TimeoutExpired:
+    task.kill()
+    status = task.wait()
+seen += task.stdout.readlines()
+tables = subprocess.run(["nft", "list", "tables"], capture_output=True,
+                        text=True).stdout
+print(json.dumps({"status": status, "tables": tables, "log": "".join(seen)}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                    reason="needs root and nft")
+@pytest.mark.parametrize("signal_name, status", [("SIGTERM", 143),
+                                                 ("SIGINT", 130)])
+def test_sigterm_and_ctrl_c_remove_the_table(signal_name, status):
+    result = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", SIGNALLED, signal_name],
+        capture_output=True, text=True, timeout=150, cwd=helpers.REPO,
+        env=helpers.python_env())
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    log = outcome["log"]
+    assert "firewall: table inet mnist_trainer_2222" in log, log
+    assert "serving" in log, log
+    assert outcome["status"] == status, log
+    assert "firewall: removed table inet mnist_trainer_2222" in log, log
+    assert firewall.TABLE_PREFIX not in outcome["tables"]
+
+
+def test_the_ruleset_names_the_port_and_every_address():
+    text = firewall.ruleset(2222, ["198.18.0.1", "198.18.0.2"], ["fd00::1"])
+    assert "table inet mnist_trainer_2222 {" in text
+    assert 'tcp dport 2222 iif "lo" accept' in text
+    assert "tcp dport 2222 ip saddr { 198.18.0.1, 198.18.0.2 } accept" in text
+    assert "tcp dport 2222 ip6 saddr { fd00::1 } accept" in text
+    assert text.index("saddr") < text.index("tcp dport 2222 drop")
+    assert text.startswith("table inet mnist_trainer_2222\n"
+                           "delete table inet mnist_trainer_2222\n")
+
+
+def test_every_host_is_resolved_once_into_its_family():
+    task = cluster_spec.resolve(
+        "worker", 1, "198.18.0.2:2222,[fd00::2]:2222",
+        "198.18.0.3:2222,198.18.0.2:2223,localhost:2224", None)
+    v4, v6 = firewall.resolve_hosts(task)
+    assert v4[:3] == ["127.0.0.1", "198.18.0.2", "198.18.0.3"]
+    assert "fd00::2" in v6
+    assert firewall.Firewall(task).table == "mnist_trainer_2223"
