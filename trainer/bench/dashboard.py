@@ -43,7 +43,7 @@ from tensorboard.plugins.hparams import api as hp
 
 from trainer.common.errors import UserError
 
-KINDS = ("ps", "single", "mwms", "sro", "async")
+KINDS = ("ps", "single", "mwms", "sro", "async", "async_split")
 
 # name -> (type, display name, description). Values of int hparams are
 # shown as floats by TensorBoard (it has no int type).
@@ -51,7 +51,8 @@ HPARAMS = {
     "kind": (str, "kind", "ps: this trainer; single: one process, no "
              "servers; mwms: MultiWorkerMirroredStrategy; sro: the "
              "SyncReplicasOptimizer recipe; async: ParameterServerStrategy "
-             "(asynchronous)."),
+             "(asynchronous, each update on the global batch); "
+             "async_split: the same, each update on global batch / N."),
     "workers": (int, "workers", "Worker processes (1 for single)."),
     "ps_tasks": (int, "ps tasks", "Parameter-server tasks (0 for single "
                  "and mwms)."),
