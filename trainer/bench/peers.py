@@ -105,7 +105,7 @@ def figures(kind: str, peer_tasks: list[PeerTask], stopped: list[str]
     extra = {"ended_by_itself": "yes" if not stopped else
              "no: stopped " + " ".join(stopped)}
     if kind in ASYNC_KINDS:  # of train_steps; fewer if some were repeated
-        extra["distinct_batches"] = leader.get("distinct_batches")
+        extra["distinct_slices"] = leader.get("distinct_slices")
     if kind == "sro":
         extra["pushed_gradients"] = ";".join(
             f"{t.index}:{outputs[t.name].get('pushed_gradients', '?')}"
