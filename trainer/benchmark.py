@@ -5,8 +5,9 @@ steps: a ps cluster for each worker count in --workers, the single-process
 baseline (each of --single_threads intra-op thread counts) and TensorFlow's
 MultiWorkerMirroredStrategy with the same worker counts, for each of
 --seeds, each --repeats times (the median run by images/s is reported,
-with the mean, min and max of accuracy and images/s over the runs). Reports final test
-accuracy, training time, images/s, efficiency E(N) = images/s / best
+with the mean, min and max of accuracy and images/s over the runs).
+Reports final test accuracy, training time, images/s, efficiency E(N) =
+images/s / best
 single-process images/s, mean step time, time to --target_accuracy and
 peak memory as a Markdown table on stdout, a CSV, a JSON (with the
 provenance: trainer/observe/provenance.py), TensorBoard HParams data
@@ -287,7 +288,8 @@ def main(argv) -> int:
                           sim, steps)
     plan = plan_runs(worker_counts)
     logging.info("benchmark of %d runs x %d seed(s) x %d into %s: %s",
-                 len(plan), len(seeds()), FLAGS.repeats, out, ", ".join(f"{k} {n}" for k, n in plan))
+                 len(plan), len(seeds()), FLAGS.repeats, out,
+                 ", ".join(f"{k} {n}" for k, n in plan))
     try:
         grouped = run_all(s, plan)
     except RunFailed as e:
