@@ -127,8 +127,6 @@ def test_seeds_async_variants_provenance_and_replot(tmp_path):
         # Every slice trained once, whichever worker ran it.
         assert (whole["distinct_slices"], split["distinct_slices"]) == (40,
                                                                         80)
-    # The sync kind learns the same model whatever the timing.
-    assert rows["ps"]["test_accuracy_min"] < 1.0
 
     again = helpers.run(["-m", "trainer.benchmark", f"--replot={out}",
                          f"--out={tmp_path / 'replot'}"], timeout=300)
