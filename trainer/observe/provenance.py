@@ -78,6 +78,11 @@ def _static() -> dict:
     }
 
 
+# The checkout as this process loaded it (at import), not as it is when
+# the results are written: the code may change meanwhile.
+_static()
+
+
 def collect() -> dict:
     """This process's provenance: {"python", "tensorflow", "numpy"
     (versions), "cpu_model", "cpu_count" (the machine's), "cpu_usable"
