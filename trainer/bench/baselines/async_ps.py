@@ -99,6 +99,16 @@ def _train_set_fn(mnist):
     return lambda: tf.data.Dataset.from_tensors((images, labels)).repeat()
 
 
+def _rows(config, num_examples: int, per_epoch: int, step: tf.Tensor,
+          first_row: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """Example indices of rows [first_row, first_row + size) of global
+    batch `step` (int64 [] each), in the trainer's order: int32 [size]."""
+    order = batches.epoch_order(num_examples, config.seed, step // per_epoch)
+    first = (step % per_epoch) * config.batch_size + first_row
+    return tf.slice(order, tf.reshape(tf.cast(first, tf.int32), [1]),
+                    tf.reshape(tf.cast(size, tf.int32), [1]))
+
+
 def _stateless_dropout(seed: int, step: tf.Tensor, first_row: tf.Tensor):
     """Dropout keyed by (seed, step, first row): the same for a slice
     wherever it runs. Not the trainer's masks (those need the row offset
@@ -134,11 +144,8 @@ def _coordinate(config, out_path, strategy, num_workers: int,
     @tf.function
     def train_slice(iterator, step, first_row, size):
         train_images, train_labels = next(iterator)
-        order = batches.epoch_order(len(mnist.train_labels), config.seed,
-                                    step // per_epoch)
-        rows = tf.slice(order, tf.reshape(tf.cast(
-            (step % per_epoch) * config.batch_size + first_row, tf.int32),
-            [1]), tf.reshape(tf.cast(size, tf.int32), [1]))
+        rows = _rows(config, len(mnist.train_labels), per_epoch, step,
+                     first_row, size)
         images = tf.gather(train_images, rows)
         labels = tf.gather(train_labels, rows)
         dropout = _stateless_dropout(config.seed, step, first_row)
@@ -153,7 +160,6 @@ def _coordinate(config, out_path, strategy, num_workers: int,
 
     evaluate = common.test_set_evaluator(mnist, logits_of)
     writer = progress.summary_writer(config.logdir)
-
     trained = set()  # (step, first row) of every slice trained
 
     def run_steps(start: int, count: int) -> dict:
