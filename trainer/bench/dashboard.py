@@ -50,9 +50,8 @@ KINDS = ("ps", "single", "mwms", "sro", "async", "async_split")
 HPARAMS = {
     "kind": (str, "kind", "ps: this trainer; single: one process, no "
              "servers; mwms: MultiWorkerMirroredStrategy; sro: the "
-             "SyncReplicasOptimizer recipe; async: ParameterServerStrategy "
-             "(asynchronous, each update on the global batch); "
-             "async_split: the same, each update on global batch / N."),
+             "SyncReplicasOptimizer recipe; async: ParameterServerStrategy"
+             " (update: global batch); async_split: (update: batch / N)."),
     "workers": (int, "workers", "Worker processes (1 for single)."),
     "ps_tasks": (int, "ps tasks", "Parameter-server tasks (0 for single "
                  "and mwms)."),
