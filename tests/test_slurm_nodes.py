@@ -237,6 +237,35 @@ def test_documented_benchmark_script(nodes, tmp_path):
     assert rows["ps_1w"]["speedup"] == 1.0
 
 
+def test_benchmark_runs_the_peers_as_job_steps(nodes, tmp_path):
+    """The same script with --baselines=mwms,async: each peer process a
+    job step of its own on its node (mwms: n1, n2; async: the
+    coordinator on n1, the workers on n2 and n3, the ps on n4); the
+    servers that never end are stopped and no step is left."""
+    _, _, job = submit_documented(nodes, tmp_path, "mnist-bench", [
+        "--model=softmax", "--train_steps=20", "--batch_size=32",
+        "--log_every=10", "--eval_every=20", "--workers=2",
+        "--baselines=mwms,async", "--download=false"])
+    state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
+    log = (tmp_path / f"mnist-bench-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), (
+        state, log[-3000:])
+    out = tmp_path / "home" / "bench" / f"mnist-bench-{job}"
+    saved = json.loads((out / "results.json").read_text())
+    rows = {r["run"]: r for r in saved["rows"]}
+    assert sorted(rows) == ["async_2w", "mwms_2w", "ps_2w"]
+    assert all("error" not in r for r in rows.values()), rows
+    assert [rows[r]["nodes"] for r in sorted(rows)] == [4, 2, 3]
+    assert rows["async_2w"]["distinct_slices"] == 20
+    assert saved["provenance"]["slurm_nodes"] == [f"n{k}" for k in
+                                                  range(1, 6)]
+    chief = json.loads((out / "async_2w.chief.json").read_text())
+    assert chief["functions"] == 20
+    assert chief["provenance"]["host"] == "n1"
+    worker = json.loads((out / "mwms_2w.worker1.json").read_text())
+    assert worker["provenance"]["host"] == "n2"
+
+
 def wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -3,12 +3,16 @@
 Runs, one after another and with the same model, seed, global batch and
 steps: a ps cluster for each worker count in --workers, the single-process
 baseline (each of --single_threads intra-op thread counts) and TensorFlow's
-MultiWorkerMirroredStrategy with the same worker counts, each --repeats
-times (the median run by images/s is reported). Reports final test
-accuracy, training time, images/s, efficiency E(N) = images/s / best
+MultiWorkerMirroredStrategy with the same worker counts, for each of
+--seeds, each --repeats times (the median run by images/s is reported,
+with the mean, min and max of accuracy and images/s over the runs).
+Reports final test accuracy, training time, images/s, efficiency E(N) =
+images/s / best
 single-process images/s, mean step time, time to --target_accuracy and
-peak memory as a Markdown table on stdout, a CSV, a JSON, TensorBoard
-HParams data (`tensorboard --logdir OUT`) and, with matplotlib, a PNG.
+peak memory as a Markdown table on stdout, a CSV, a JSON (with the
+provenance: trainer/observe/provenance.py), TensorBoard HParams data
+(`tensorboard --logdir OUT`) and, with matplotlib, a chart as PNG, SVG
+and PDF. --replot=OUT writes them again from OUT/results.json.
 
 --hosts=local (the default) runs everything on this machine's loopback
 (thread counts follow the local launcher). --hosts=simulated puts every ps
@@ -17,14 +21,16 @@ task and every worker on a simulated host of its own (trainer/bench/simhosts/hos
 scaling efficiency S(N)/N and the ps-link bound (trainer/bench/simhosts/bound.py).
 --hosts=slurm, run inside a Slurm allocation (salloc or sbatch), starts
 each run as an srun job step over the allocation's nodes
-(trainer/bench/slurm_steps.py; ps runs and the single baseline only).
+(trainer/bench/slurm_steps.py; the peers' processes as one step each).
 
 Every trainer flag (model, batch, optimizer, steps, ...) applies to every
 run. Traced runs (--trace_steps) add the step breakdown's columns.
 """
 
+import dataclasses
 import datetime
 import functools
+import json
 import math
 import os
 import pathlib
@@ -36,6 +42,7 @@ from absl import logging
 
 from trainer import flags as trainer_flags
 from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.bench import replot
 from trainer.bench import report
 from trainer.bench import peers
 from trainer.bench import rows as rows_lib
@@ -45,6 +52,7 @@ from trainer.bench.simhosts import runs as simulated
 from trainer.common import processes
 from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
+from trainer.observe import provenance
 
 trainer_flags.define_isolate_flag()
 
@@ -54,17 +62,28 @@ flags.DEFINE_list("baselines", ["single", "mwms"],
                   "Peers to run beside the ps trainer: single (one process, "
                   "no servers), mwms (MultiWorkerMirroredStrategy, ring "
                   "all-reduce), sro (the SyncReplicasOptimizer recipe), "
-                  "async (ParameterServerStrategy); empty for none.")
+                  "async (ParameterServerStrategy, each update on the "
+                  "global batch), async_split (each on global batch / N, N "
+                  "times as many updates); empty for none.")
 flags.DEFINE_list("single_threads", ["1", "2"],
                   "Intra-op thread counts for the single-process baseline; "
                   "the best is the reference for efficiency.")
-flags.DEFINE_integer("repeats", 1, "Runs of each configuration; the "
-                     "median by images/s is reported.", lower_bound=1)
+flags.DEFINE_integer("repeats", 1, "Runs of each configuration and seed "
+                     "(the same seed each time: timing noise only); the "
+                     "row is the median run by images/s.", lower_bound=1)
+flags.DEFINE_list("seeds", [], "Seeds to run every configuration with "
+                  "(--repeats times each; default: --seed alone). Rows "
+                  "add the mean, min and max of accuracy and images/s "
+                  "over all of a configuration's runs.")
 flags.DEFINE_float("target_accuracy", 0.99,
                    "Report the training time until the test accuracy, "
                    "evaluated every --eval_every steps, first reaches this.")
 flags.DEFINE_string("out", None,
                     "Output folder (default bench/<model>-<time>).")
+flags.DEFINE_string("replot", None, "A benchmark's --out folder: write "
+                    "its table, CSV, JSON, chart (PNG, SVG, PDF) and "
+                    "dashboard again from its results.json, into --out "
+                    "(default <folder>/replot-<time>), without running.")
 flags.DEFINE_float("run_timeout_secs", 3600, "Give up on a run after this.")
 flags.DEFINE_enum("hosts", "local", ["local", "simulated", "slurm"],
                   "local: every process on this machine's loopback; "
@@ -96,7 +115,9 @@ _LABELS = {"ps": "ps cluster, {} worker(s)",
            "single": "single process, {} thread(s)",
            "mwms": "MWMS, {} worker(s)",
            "sro": "SyncReplicasOptimizer recipe, {} worker(s)",
-           "async": "ParameterServerStrategy (async), {} worker(s)"}
+           "async": "ParameterServerStrategy (async), {} worker(s)",
+           "async_split": "ParameterServerStrategy (async, global batch "
+                          "/ N per update), {} worker(s)"}
 
 
 def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
@@ -113,10 +134,12 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
                         "comma-separated list of worker counts") from None
     if not worker_counts or min(worker_counts) < 1:
         raise UserError("--workers needs worker counts of 1 or more")
+    seeds()
     unknown = set(FLAGS.baselines) - {"single", *peers.PEER_KINDS}
     if unknown:
         raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
-                        " use single, mwms, sro or async (any of them)")
+                        " use single, mwms, sro, async or async_split "
+                        "(any of them)")
     validate(trainer_flags.config_from_flags(), max(worker_counts))
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out={out} already holds a benchmark; give a "
@@ -162,19 +185,19 @@ def _host_cpus(most_workers: int) -> list[float]:
 
 
 def _check_slurm(worker_counts: list[int]) -> slurm_steps.StepSettings:
-    """--hosts=slurm: runs only the ps cluster and the single baseline
-    (by default: the peers' tasks need addresses before they start)."""
+    """--hosts=slurm: the allocation, checked to hold the largest run
+    (a peer's tasks included). Without --baselines, only the single
+    baseline runs beside the ps cluster."""
     if not FLAGS["baselines"].present:
         FLAGS.baselines = ["single"]
-    peers_asked = sorted(set(FLAGS.baselines) & set(peers.PEER_KINDS))
-    if peers_asked:
-        raise UserError(f"--hosts=slurm runs the ps cluster and the single "
-                        f"baseline, not {', '.join(peers_asked)}; use "
-                        "--baselines=single (or none), or --hosts=local or "
-                        "simulated for the peers")
-    return slurm_steps.allocation(
-        os.environ, FLAGS.num_ps + max(worker_counts),
-        FLAGS.slurm_tasks_per_node, FLAGS.slurm_base_port)
+    most = max(worker_counts)
+    largest = FLAGS.num_ps + most
+    for kind in set(FLAGS.baselines) & set(peers.PEER_KINDS):
+        largest = max(largest, len(peers.roles(
+            kind, most, peers.ps_tasks(kind, FLAGS.num_ps))))
+    return slurm_steps.allocation(os.environ, largest,
+                                  FLAGS.slurm_tasks_per_node,
+                                  FLAGS.slurm_base_port)
 
 
 def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
@@ -187,9 +210,41 @@ def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
     return plan
 
 
+def seeds() -> list[int]:
+    """--seeds as integers (--seed if none); UserError if not."""
+    try:
+        values = [int(v) for v in FLAGS.seeds] or [FLAGS.seed]
+    except ValueError:
+        raise UserError(f"--seeds={','.join(FLAGS.seeds)} must be a "
+                        "comma-separated list of integers") from None
+    if len(set(values)) < len(values):
+        raise UserError(f"--seeds={','.join(FLAGS.seeds)} repeats a seed; "
+                        "use --repeats to rerun one seed")
+    return values
+
+
+def _seeded(s: runs_lib.Settings, seed: int) -> runs_lib.Settings:
+    """The settings with `seed` in the config and the forwarded flags."""
+    return dataclasses.replace(
+        s, config=dataclasses.replace(s.config, seed=seed),
+        train_flags=[f for f in s.train_flags if not f.startswith("--seed=")]
+        + [f"--seed={seed}"])
+
+
+def _run_names(kind: str, count: int, seed_list: list[int]) -> list:
+    """(seed, name) of each run of one configuration: <kind>_<N>w (or
+    single_<T>t), then _s<seed> with several seeds, _r<k> with repeats."""
+    base = f"single_{count}t" if kind == "single" else f"{kind}_{count}w"
+    return [(seed, base + (f"_s{seed}" if len(seed_list) > 1 else "")
+             + (f"_r{k + 1}" if FLAGS.repeats > 1 else ""))
+            for seed in seed_list for k in range(FLAGS.repeats)]
+
+
 def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
-    """Every configuration --repeats times; returns runs by configuration."""
-    total = len(plan) * FLAGS.repeats
+    """Every configuration for every seed, --repeats times; returns runs
+    by configuration."""
+    seed_list = seeds()
+    total = len(plan) * len(seed_list) * FLAGS.repeats
     local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single}
     on_hosts = {"ps": simulated.run_ps_on_hosts,
                 "single": simulated.run_single_on_host}
@@ -199,20 +254,19 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
         local[kind] = functools.partial(runs_lib.run_peer, kind=kind)
         on_hosts[kind] = functools.partial(simulated.run_peer_on_hosts,
                                            kind=kind)
+        as_steps[kind] = functools.partial(slurm_steps.run_peer_as_steps,
+                                           kind=kind)
     grouped, done, start = [], 0, time.monotonic()
     for kind, count in plan:
         group = []
-        for repeat in range(FLAGS.repeats):
+        for seed, name in _run_names(kind, count, seed_list):
             done += 1
-            name = (f"single_{count}t" if kind == "single"
-                    else f"{kind}_{count}w")
-            name += f"_r{repeat + 1}" if FLAGS.repeats > 1 else ""
             label = f"[{done}/{total}] " + _LABELS[kind].format(count)
             logging.info("%s: starting", label)
             try:
                 runner = (as_steps if s.steps else
                           on_hosts if s.sim else local)[kind]
-                run = runner(s, count, name, label)
+                run = runner(_seeded(s, seed), count, name, label)
             except RunFailed as e:
                 if kind not in peers.PEER_KINDS:
                     raise
@@ -234,6 +288,9 @@ def main(argv) -> int:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     processes.interrupt_on_signals()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if FLAGS.replot:
+        return replot.main(pathlib.Path(FLAGS.replot), FLAGS.out and
+                           pathlib.Path(FLAGS.out), stamp)
     out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
     try:
         worker_counts, hosts = check_settings(out)
@@ -246,6 +303,9 @@ def main(argv) -> int:
                  "min_workers"))
     train_flags.append(f"--checkpoint_every={runs_lib.NO_CHECKPOINTS}")
     sim = hosts if isinstance(hosts, simulated.HostSettings) else None
+    if sim is not None:  # every run's provenance records them
+        os.environ[provenance.SIMULATED_HOSTS_ENV] = json.dumps(
+            dataclasses.asdict(sim))
     steps = hosts if isinstance(hosts, slurm_steps.StepSettings) else None
     if sim is None and steps is None:
         try:  # every local run, the peers' too, in one private network
@@ -261,16 +321,23 @@ def main(argv) -> int:
                           train_flags, FLAGS.num_ps, FLAGS.run_timeout_secs,
                           sim, steps)
     plan = plan_runs(worker_counts)
-    logging.info("benchmark of %d runs x %d into %s: %s", len(plan),
-                 FLAGS.repeats, out, ", ".join(f"{k} {n}" for k, n in plan))
+    logging.info("benchmark of %d runs x %d seed(s) x %d into %s: %s",
+                 len(plan), len(seeds()), FLAGS.repeats, out,
+                 ", ".join(f"{k} {n}" for k, n in plan))
     try:
         grouped = run_all(s, plan)
     except RunFailed as e:
         logging.error("%s", e)
         return 1
     rows, reference = rows_lib.make_rows(s, grouped, FLAGS.target_accuracy)
-    rows_lib.write_dashboard(out, s, plan, grouped, rows)
-    report.emit(report.write_outputs(out, rows, FLAGS.target_accuracy))
+    spec = rows_lib.dashboard_spec(s, plan, grouped, rows)
+    rows_lib.write_dashboard(out, spec)
+    origin = provenance.benchmark(
+        [r.results for g in grouped for r in g], steps and steps.nodes)
+    report.emit(report.write_outputs(out, rows, FLAGS.target_accuracy,
+                                     {"provenance": origin,
+                                      "dashboard": spec}))
+    report.emit(replot.describe(origin))
     report.emit(_footer(rows, reference, out))
     return 0 if all(math.isfinite(r.get("images_per_sec", math.nan))
                     for r in rows) else 1
@@ -289,17 +356,19 @@ def _isolate_local_runs() -> list[str]:
 
 
 def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
-    singles = {r["run"].split("_r")[0]: r["images_per_sec"] for r in rows
-               if r["kind"] == "single"}
+    singles = {"_".join(r["run"].split("_")[:2]): r["images_per_sec"]
+               for r in rows if r["kind"] == "single"}
     lines = [f"\nE = images/s / {reference:,.0f} (best single process"
              f"{'' if singles else ' not run: first run'})"]
     if "single_1t" in singles and len(singles) > 1:
         bound = 2 * singles["single_1t"] / max(singles.values())
         lines.append(f"bound on E(2) on this machine: 2 x single_1t / best "
                      f"single = {bound:.2f}")
-    if FLAGS.repeats > 1:
-        lines.append(f"each row: the median of {FLAGS.repeats} runs by "
-                     "images/s")
+    runs = len(seeds()) * FLAGS.repeats
+    if runs > 1:
+        lines.append(f"each row: the median of {runs} runs by images/s "
+                     f"({len(seeds())} seed(s) x {FLAGS.repeats}); mean, min "
+                     "and max over them in the _mean/_min/_max columns")
     lines.append(f"outputs in {out}; tensorboard --logdir {out}")
     return "\n".join(lines)
 

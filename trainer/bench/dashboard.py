@@ -43,15 +43,15 @@ from tensorboard.plugins.hparams import api as hp
 
 from trainer.common.errors import UserError
 
-KINDS = ("ps", "single", "mwms", "sro", "async")
+KINDS = ("ps", "single", "mwms", "sro", "async", "async_split")
 
 # name -> (type, display name, description). Values of int hparams are
 # shown as floats by TensorBoard (it has no int type).
 HPARAMS = {
     "kind": (str, "kind", "ps: this trainer; single: one process, no "
              "servers; mwms: MultiWorkerMirroredStrategy; sro: the "
-             "SyncReplicasOptimizer recipe; async: ParameterServerStrategy "
-             "(asynchronous)."),
+             "SyncReplicasOptimizer recipe; async: ParameterServerStrategy"
+             " (update: global batch); async_split: (update: batch / N)."),
     "workers": (int, "workers", "Worker processes (1 for single)."),
     "ps_tasks": (int, "ps tasks", "Parameter-server tasks (0 for single "
                  "and mwms)."),

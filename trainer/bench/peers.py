@@ -11,14 +11,19 @@ trainer/bench/simhosts/runs.py give each task an address and start it.
            (server.join()) and a worker whose last token never comes
            never ends: the benchmark stops them once the leader is done.
     async  ps tasks + workers (servers that never end) + a coordinator,
-           which leads.
+           which leads; each update on a whole global batch.
+    async_split  the same processes; each update on global batch / N
+           examples, N times as many updates (trainer/bench/baselines/
+           async_ps.py).
 """
 
 import dataclasses
 import json
 import pathlib
 
-PEER_KINDS = ("mwms", "sro", "async")
+PEER_KINDS = ("mwms", "sro", "async", "async_split")
+# The kinds with a coordinator ("chief"): ParameterServerStrategy.
+ASYNC_KINDS = ("async", "async_split")
 # Seconds the other processes get to end by themselves once the leader
 # has ended, before the benchmark stops them (and says so).
 AFTER_LEADER_SECS = 10.0
@@ -99,6 +104,8 @@ def figures(kind: str, peer_tasks: list[PeerTask], stopped: list[str]
             if "peak_rss_mb" in o}
     extra = {"ended_by_itself": "yes" if not stopped else
              "no: stopped " + " ".join(stopped)}
+    if kind in ASYNC_KINDS:  # of train_steps; fewer if some were repeated
+        extra["distinct_slices"] = leader.get("distinct_slices")
     if kind == "sro":
         extra["pushed_gradients"] = ";".join(
             f"{t.index}:{outputs[t.name].get('pushed_gradients', '?')}"

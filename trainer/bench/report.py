@@ -12,11 +12,15 @@ COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb_max",
            "peak_rss_mb")
 # Columns only some benchmarks have: repeats, simulated hosts, traces.
-EXTRA_COLUMNS = ("images_per_sec_repeats", "x_mwms", "host_cpu", "ps_cpu",
+EXTRA_COLUMNS = ("runs", "seeds", "test_accuracy_mean", "test_accuracy_min",
+                 "test_accuracy_max", "images_per_sec_mean",
+                 "images_per_sec_min", "images_per_sec_max",
+                 "images_per_sec_repeats", "x_mwms", "host_cpu", "ps_cpu",
                  "link_rate", "ps_placement", "nodes", "speedup",
                  "scaling_efficiency", "ps_link_bytes_per_step",
                  "ps_link_bound_ms", "ring_bound_ms", "step_over_bound",
-                 "pushed_gradients", "ended_by_itself", "cpu_throttled",
+                 "pushed_gradients", "distinct_slices", "ended_by_itself",
+                 "cpu_throttled",
                  "error",
                  "traced_step_ms",
                  "step_compute_ms", "step_pull_params_ms",
@@ -32,9 +36,15 @@ def emit(text: str) -> None:
     sys.stdout.flush()
 
 
+CHART_FORMATS = ("png", "svg", "pdf")
+
+
 def write_outputs(out: pathlib.Path, rows: list[dict],
-                  target_accuracy: float) -> str:
-    """Writes results.csv, results.json and results.png; returns Markdown."""
+                  target_accuracy: float, more: dict | None = None) -> str:
+    """Writes results.csv, results.json (rows, command, target accuracy
+    and `more`, e.g. provenance) and the chart as results.png, .svg and
+    .pdf; returns the Markdown table. A replot passes the first run's
+    command in `more`."""
     columns = list(COLUMNS) + [c for c in EXTRA_COLUMNS
                                if any(c in row for row in rows)]
     with open(out / "results.csv", "w", newline="") as f:
@@ -43,8 +53,9 @@ def write_outputs(out: pathlib.Path, rows: list[dict],
         writer.writerows(rows)
     (out / "results.json").write_text(json.dumps(
         {"rows": rows, "command": " ".join(sys.argv),
-         "target_accuracy": target_accuracy}, indent=2) + "\n")
-    _plot(out / "results.png", rows)
+         "target_accuracy": target_accuracy, **(more or {})},
+        indent=2) + "\n")
+    _plot(out, rows)
     return markdown_table(rows, target_accuracy)
 
 
@@ -73,6 +84,13 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         ("wall s", "wall_time_secs", _cell),
         ("train s", "train_time_secs", _cell),
         ("images/s", "images_per_sec", _cell),
+        ("runs", "runs", _cell), ("seeds", "seeds", _cell),
+        ("acc mean", "test_accuracy_mean", _percent),
+        ("acc min", "test_accuracy_min", _percent),
+        ("acc max", "test_accuracy_max", _percent),
+        ("images/s mean", "images_per_sec_mean", _cell),
+        ("images/s min", "images_per_sec_min", _cell),
+        ("images/s max", "images_per_sec_max", _cell),
         ("repeats images/s", "images_per_sec_repeats", _cell),
         ("E", "efficiency", _ratio), ("x mwms", "x_mwms", _ratio),
         ("S(N)", "speedup", _ratio),
@@ -86,6 +104,7 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         (f"s to {100 * target_accuracy:g}%", "time_to_target_secs", _cell),
         ("peak RSS MB", "peak_rss_mb", _cell),
         ("gradients pushed", "pushed_gradients", _cell),
+        ("distinct slices", "distinct_slices", _cell),
         ("ended by itself", "ended_by_itself", _cell),
         ("CPU throttled", "cpu_throttled", _cell),
         ("error", "error", _cell),
@@ -112,30 +131,43 @@ def markdown_table(rows: list[dict], target_accuracy: float) -> str:
     return "\n".join(lines)
 
 
-def _plot(path: pathlib.Path, rows: list[dict]) -> None:
+def _series(kind_rows: list[dict], column: str, scale: float = 1.0):
+    """(y, yerr) of one line: the mean over a row's runs with min-max
+    error bars where rows have them, else the row's value and no bars.
+    yerr: [[below...], [above...]] as matplotlib's errorbar takes it."""
+    if not all(f"{column}_mean" in r for r in kind_rows):
+        return [scale * r[column] for r in kind_rows], None
+    y = [scale * r[f"{column}_mean"] for r in kind_rows]
+    return y, [[v - scale * r[f"{column}_min"] for v, r in zip(y, kind_rows)],
+               [scale * r[f"{column}_max"] - v for v, r in zip(y, kind_rows)]]
+
+
+def _plot(out: pathlib.Path, rows: list[dict]) -> None:
+    """results.<png|svg|pdf>: accuracy and images/s against workers."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         from matplotlib import pyplot
     except ImportError:
-        logging.info("matplotlib is not installed; skipping %s (pip install "
-                     "-e '.[plot]')", path.name)
+        logging.info("matplotlib is not installed; skipping the chart "
+                     "(pip install -e '.[plot]')")
         return
     figure, (accuracy_axes, speed_axes) = pyplot.subplots(1, 2,
                                                           figsize=(11, 4))
     for kind, label in (("ps", "this trainer (ps)"), ("mwms", "MWMS"),
                         ("sro", "SyncReplicasOptimizer recipe"),
-                        ("async", "async (ParameterServerStrategy)")):
+                        ("async", "async (ParameterServerStrategy)"),
+                        ("async_split", "async, batch / N per update")):
         kind_rows = sorted((r for r in rows
                             if r["kind"] == kind and "error" not in r),
                            key=lambda r: r["workers"])
         if kind_rows:
             workers = [r["workers"] for r in kind_rows]
-            accuracy_axes.plot(workers, [100 * r["test_accuracy"]
-                                         for r in kind_rows], "o-",
-                               label=label)
-            speed_axes.plot(workers, [r["images_per_sec"] for r in kind_rows],
-                            "o-", label=label)
+            for axes, column, scale in ((accuracy_axes, "test_accuracy", 100),
+                                        (speed_axes, "images_per_sec", 1)):
+                y, yerr = _series(kind_rows, column, scale)
+                axes.errorbar(workers, y, yerr=yerr, fmt="o-", capsize=4,
+                              label=label)
     singles = [r for r in rows if r["kind"] == "single"]
     if singles:
         best = max(singles, key=lambda r: r["images_per_sec"])
@@ -159,6 +191,10 @@ def _plot(path: pathlib.Path, rows: list[dict]) -> None:
         axes.set_xticks(worker_counts)
         axes.legend()
         axes.grid(alpha=0.3)
+    if any("test_accuracy_mean" in r for r in rows):
+        figure.suptitle("mean over seeds and repeats; bars: min to max",
+                        fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    for suffix in CHART_FORMATS:
+        figure.savefig(out / f"results.{suffix}", dpi=100)
     pyplot.close(figure)

@@ -15,6 +15,22 @@ def median_run(group: list[runs_lib.Run]) -> runs_lib.Run | None:
     return ordered[(len(ordered) - 1) // 2] if ordered else None
 
 
+def spread_columns(group: list[runs_lib.Run]) -> dict:
+    """Over the runs of one configuration that did not fail (every seed
+    and repeat): how many, their seeds, and the mean, min and max of the
+    test accuracy and images/s, as columns <figure>_mean|_min|_max."""
+    done = [r for r in group if r.error is None]
+    columns = {"runs": len(done), "seeds": ";".join(
+        str(s) for s in sorted({r.results["flags"]["seed"] for r in done}))}
+    for column, key in (("test_accuracy", "final_test_accuracy"),
+                        ("images_per_sec", "images_per_sec")):
+        values = [r.results[key] for r in done]
+        columns.update({f"{column}_mean": sum(values) / len(values),
+                        f"{column}_min": min(values),
+                        f"{column}_max": max(values)})
+    return columns
+
+
 def make_rows(s: runs_lib.Settings, grouped: list, target: float
               ) -> tuple[list, float]:
     """One row per configuration; returns rows and the E reference (the
@@ -34,6 +50,7 @@ def make_rows(s: runs_lib.Settings, grouped: list, target: float
         if len(group) > 1:
             row["images_per_sec_repeats"] = ";".join(
                 f"{r.results['images_per_sec']:.0f}" for r in group)
+            row.update(spread_columns(group))
         rows.append(row)
     _add_x_mwms(medians, rows)
     if s.sim or s.steps:  # one host (or node) per task: S(N) means scaling
@@ -94,10 +111,12 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
                              if bound else None))
 
 
-def write_dashboard(out, s: runs_lib.Settings, plan: list, grouped: list,
-                    rows: list) -> None:
-    """TensorBoard HParams: one session per configuration (its median;
-    none where every repeat failed)."""
+def dashboard_spec(s: runs_lib.Settings, plan: list, grouped: list,
+                   rows: list) -> dict:
+    """TensorBoard HParams, one session per configuration (its median;
+    none where every repeat failed), as JSON for results.json and replots:
+    {"domains": {hparam: [values]}, "sessions": [{"name", "hparams",
+    "metrics"}]}."""
     pairs = [(median_run(g), row) for g, row in zip(grouped, rows)]
     pairs = [(run, row) for run, row in pairs if run is not None]
     medians = [run for run, _ in pairs]
@@ -107,7 +126,7 @@ def write_dashboard(out, s: runs_lib.Settings, plan: list, grouped: list,
                "model": [s.config.model], "batch": [s.config.batch_size]}
     if s.sim:
         domains.update(host_cpu=[s.sim.host_cpu], link_rate=[s.sim.link_rate])
-    dashboard.write_experiment(out, domains)
+    sessions = []
     for run, row in pairs:
         hparams = {"kind": run.kind, "workers": run.workers,
                    "ps_tasks": run.ps_tasks, "model": s.config.model,
@@ -115,10 +134,19 @@ def write_dashboard(out, s: runs_lib.Settings, plan: list, grouped: list,
         if s.sim:
             hparams.update(host_cpu=s.sim.host_cpu,
                            link_rate=s.sim.link_rate)
-        dashboard.write_run(out, run.name, hparams, {
+        sessions.append({"name": run.name, "hparams": hparams, "metrics": {
             "final_test_accuracy": row["test_accuracy"],
             "images_per_sec": row["images_per_sec"],
             # The dashboard's label for it follows host_cpu (dashboard.py).
             "efficiency": (row.get("scaling_efficiency", row["efficiency"])
                            if s.sim else row["efficiency"]),
-            "time_to_target_secs": row["time_to_target_secs"]})
+            "time_to_target_secs": row["time_to_target_secs"]}})
+    return {"domains": domains, "sessions": sessions}
+
+
+def write_dashboard(out, spec: dict) -> None:
+    """Writes dashboard_spec's experiment and sessions into out."""
+    dashboard.write_experiment(out, spec["domains"])
+    for session in spec["sessions"]:
+        dashboard.write_run(out, session["name"], session["hparams"],
+                            session["metrics"])

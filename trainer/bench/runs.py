@@ -57,7 +57,7 @@ class Run:
     """One configuration's figures."""
 
     name: str
-    kind: str            # ps | single | mwms | sro | async
+    kind: str            # ps | single | mwms | sro | async | async_split
     workers: int
     results: dict        # the chief's results JSON
     peak_rss_mb: dict    # process name -> MiB
@@ -182,10 +182,16 @@ def popen(name: str, args: list[str],
     """Starts `python args...` for a run, its output piped (for stream)
     or written to log_path. In our process group: a terminal's Ctrl-C
     reaches it as before, and stream stops it on anything else."""
+    return popen_argv(name, [sys.executable] + args, log_path, **env_changes)
+
+
+def popen_argv(name: str, argv: list[str],
+               log_path: pathlib.Path | None = None,
+               **env_changes) -> processes.Child:
+    """popen with the whole command line (e.g. srun ... python ...)."""
     def start(stdout):
         return processes.Child.start(
-            name, [sys.executable] + args,
-            processes.child_env(**env_changes), own_session=False,
+            name, argv, processes.child_env(**env_changes), own_session=False,
             text=True, stdout=stdout, stderr=subprocess.STDOUT)
 
     if log_path is None:
@@ -249,7 +255,7 @@ def run_peer(s: Settings, workers: int, name: str, label: str,
     config = write_config(
         s, name, intra_op_threads=max(1, (os.cpu_count() or 1) // workers))
     counts = {"worker": workers, "ps": peers.ps_tasks(kind, s.num_ps),
-              "chief": 1 if kind == "async" else 0}
+              "chief": 1 if kind in peers.ASYNC_KINDS else 0}
     addresses = {job: [f"localhost:{p}" for p in
                        launcher.free_ports("localhost", n)] if n else []
                  for job, n in counts.items()}

@@ -9,7 +9,12 @@ the allocation's nodes, the way a user runs the trainer there:
     the next N the workers (trainer/cluster/slurm.py), placed
     --slurm_tasks_per_node per node (default 1: every task on a node of
     its own, as --hosts=simulated places them);
-  * the single-process baseline is a one-task step.
+  * the single-process baseline is a one-task step;
+  * a peer run (mwms, sro, async, async_split: trainer/bench/peers.py) is
+    one one-task step per process, all started at once, each pinned with
+    --nodelist to its node: the peers' processes need every address before
+    they start, so task j (the leader first, peers.roles' order) gets node
+    j // --slurm_tasks_per_node and port --slurm_base_port + j.
 
 Every node must see the same Python, this checkout and --out (a shared
 file system): the steps write their logdirs and results under --out, and
@@ -27,6 +32,7 @@ from collections.abc import Mapping
 
 from absl import logging
 
+from trainer.bench import peers
 from trainer.bench import runs as runs_lib
 from trainer.cluster import slurm
 from trainer.common import processes
@@ -102,19 +108,21 @@ def _run_step(s: runs_lib.Settings, argv: list[str], name: str,
     return status
 
 
-def _cancel_steps(job_id: str, name: str) -> None:
-    """scancel every step of our job named `name` that is still there."""
+def _cancel_steps(job_id: str, names: str | set) -> None:
+    """scancel every step of our job named `names` (one name or a set)
+    that is still there."""
+    names = {names} if isinstance(names, str) else names
     listing = subprocess.run(
         ["squeue", "--steps", f"--jobs={job_id}", "--noheader",
          "--format=%i %j"], capture_output=True, text=True,
         timeout=SCANCEL_TIMEOUT_SECS, check=False, stdin=subprocess.DEVNULL)
     for line in listing.stdout.splitlines():
         step_id, _, step_name = line.strip().partition(" ")
-        if step_name == name:
+        if step_name in names:
             subprocess.run(["scancel", step_id], timeout=SCANCEL_TIMEOUT_SECS,
                            check=False, stdin=subprocess.DEVNULL,
                            capture_output=True)
-            logging.info("cancelled job step %s (%s)", step_id, name)
+            logging.info("cancelled job step %s (%s)", step_id, step_name)
 
 
 def run_ps_as_step(s: runs_lib.Settings, workers: int, name: str,
@@ -159,6 +167,49 @@ def run_single_as_step(s: runs_lib.Settings, threads: int, name: str,
     return runs_lib.Run(name, "single", 1, data,
                         {"process": data["peak_rss_mb"]},
                         extra={"nodes": 1})
+
+
+def peer_addresses(steps: StepSettings, kind: str, workers: int,
+                   num_ps: int) -> tuple[dict, list]:
+    """Where each process of a peer run goes: (job -> [node:port], the
+    node of each task in peers.roles' order)."""
+    placed = {"worker": [], "ps": [], "chief": []}
+    task_nodes = []
+    for j, (job, _) in enumerate(peers.roles(kind, workers, num_ps)):
+        node = steps.nodes[j // steps.tasks_per_node]
+        placed[job].append(f"{node}:{steps.base_port + j}")
+        task_nodes.append(node)
+    return placed, task_nodes
+
+
+def run_peer_as_steps(s: runs_lib.Settings, workers: int, name: str,
+                      label: str, kind: str) -> runs_lib.Run:
+    """A peer run, each process a one-task job step on its node; the
+    leader's output is streamed, the others' go to out/<name>.<task>.log.
+    Steps still there once the run is over (servers that never end) are
+    stopped, then cancelled."""
+    config = runs_lib.write_config(s, name, intra_op_threads=1)
+    num_ps = peers.ps_tasks(kind, s.num_ps)
+    addresses, task_nodes = peer_addresses(s.steps, kind, workers, num_ps)
+    peer_tasks = peers.tasks(kind, config, s.out, name, addresses)
+    step_names = [f"{name}.{t.name}" for t in peer_tasks]
+    children = []
+    try:
+        for i, (task, node) in enumerate(zip(peer_tasks, task_nodes)):
+            # --overlap: steps of one run may share a node's CPUs.
+            argv = srun_argv(s.steps, 1, step_names[i]) + [
+                f"--nodelist={node}", "--overlap", sys.executable,
+                *task.argv]
+            children.append(runs_lib.popen_argv(
+                task.name, argv, None if i == 0 else
+                s.out / f"{name}.{task.name}.log"))
+        run = runs_lib.finish_peer(kind, workers, name, label, peer_tasks,
+                                   children, s.timeout, s.num_ps)
+    finally:  # a stopped srun may leave its task behind
+        processes.stop_all(children, runs_lib.STOP_GRACE_SECS)
+        _cancel_steps(s.steps.job_id, set(step_names))
+    run.extra["nodes"] = len(set(task_nodes))
+    return run
 
 
 def describe(steps: StepSettings) -> str:

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from trainer.learning import optim
 from trainer.common.config import TrainConfig
+from trainer.observe import provenance
 
 
 @dataclasses.dataclass
@@ -51,14 +52,16 @@ class Outcome:
 def results_fields(outcome: Outcome, config: TrainConfig,
                    train_steps: int) -> dict:
     """What every trainer's results file holds: final accuracy and loss,
-    steps, times, images/s, evaluations, peak memory and the flags."""
+    steps, times, images/s, evaluations, peak memory, the flags and the
+    provenance (versions, machine, commit: provenance.py)."""
     final = ({"final_test_accuracy": outcome.history[-1]["accuracy"],
               "final_test_loss": outcome.history[-1]["loss"]}
              if outcome.history else {})
     return {**final, "train_steps": train_steps,
             **outcome.summary(),
             "eval_history": outcome.history, "peak_rss_mb": peak_rss_mb(),
-            "flags": dataclasses.asdict(config)}
+            "flags": dataclasses.asdict(config),
+            "provenance": provenance.collect()}
 
 
 def write_json(path: pathlib.Path, value: dict,

@@ -4,6 +4,7 @@
     mwms   CONFIG.json OUT.json INDEX WORKER_HOSTS
     sro    CONFIG.json OUT.json JOB INDEX PS_HOSTS WORKER_HOSTS
     async  CONFIG.json OUT.json JOB INDEX PS_HOSTS WORKER_HOSTS CHIEF_HOST
+    async_split  (the same arguments as async)
 
 CONFIG.json holds a TrainConfig's fields; OUT.json gets the results; hosts
 are comma-separated host:port lists. The benchmark writes these lines
@@ -21,7 +22,7 @@ from absl import logging  # noqa: E402
 
 from trainer.common.config import TrainConfig  # noqa: E402
 
-KINDS = ("single", "mwms", "sro", "async")
+KINDS = ("single", "mwms", "sro", "async", "async_split")
 
 
 def main(argv: list[str]) -> int:
@@ -42,11 +43,11 @@ def main(argv: list[str]) -> int:
         from trainer.bench.baselines import sro
         sro.run_sro_task(config, out_path, rest[0], int(rest[1]),
                          rest[2].split(","), rest[3].split(","))
-    elif kind == "async":
+    elif kind in ("async", "async_split"):
         from trainer.bench.baselines import async_ps
         async_ps.run_async_task(config, out_path, rest[0], int(rest[1]),
                                 rest[2].split(","), rest[3].split(","),
-                                rest[4])
+                                rest[4], split=kind == "async_split")
     else:
         raise SystemExit(f"unknown baseline {kind!r}; use one of "
                          f"{', '.join(KINDS)}")

@@ -7,10 +7,28 @@ its gradient and applying it there at once, whatever the other workers are
 doing. Workers and ps tasks are plain servers that never return.
 
 Same model, initial parameters, update rule and learning-rate schedule as
-the trainer. Each function trains on global batch / N examples, and
-N x train_steps functions are scheduled, so the examples seen in all equal
-the trainer's: worker w feeds slice w of global batch i to its i-th
-function. The step the learning rate and the log count is functions / N.
+the trainer. Two variants:
+
+    async        each function trains on a whole global batch, and
+                 train_steps functions are scheduled: as many updates as
+                 the trainer, each on as many examples, so what differs
+                 from it is staleness alone. Function k trains on global
+                 batch k at the learning rate of step k, on whichever
+                 worker is free.
+    async_split  each function trains on global batch / N examples, and
+                 N x train_steps functions are scheduled, so the examples
+                 seen in all equal the trainer's: function k trains on
+                 slice k % N of global batch k // N. The step the
+                 learning rate and the log count is functions / N. N times
+                 as many updates, each on 1/N of the batch at the same
+                 learning rate: not staleness alone.
+
+The coordinator names each function's rows (step, first row, size):
+ParameterServerStrategy gives every worker the same dataset and no worker
+index (its InputContext's input_pipeline_id is always 0), so a dataset
+cannot pick a worker's slice. The results count the distinct (step, first
+row) slices the workers report having trained (`distinct_slices`), equal
+to `functions` when each was trained once.
 """
 
 import os
@@ -32,8 +50,9 @@ from trainer.observe import progress
 
 def run_async_task(config: TrainConfig, out_path: str, job: str, index: int,
                    ps_hosts: list[str], worker_hosts: list[str],
-                   chief_host: str) -> None:
-    """Runs ps or worker `index` (forever), or the coordinator ("chief")."""
+                   chief_host: str, split: bool = False) -> None:
+    """Runs ps or worker `index` (forever), or the coordinator ("chief");
+    split: the async_split variant (module docstring)."""
     cluster = tf.train.ClusterSpec({"ps": ps_hosts, "worker": worker_hosts,
                                     "chief": [chief_host]})
     tf.config.threading.set_intra_op_parallelism_threads(
@@ -50,32 +69,44 @@ def run_async_task(config: TrainConfig, out_path: str, job: str, index: int,
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         cluster, task_type="chief", task_id=0, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)
-    _coordinate(config, out_path, strategy, len(worker_hosts))
+    _coordinate(config, out_path, strategy, len(worker_hosts), split)
 
 
-def _dataset_fn(config, mnist, train_steps: int, num_workers: int):
-    """Per worker w: (images uint8 [m, 28, 28], labels int32 [m], step,
-    first row) of slice w of each global batch, in the trainer's order."""
-    per_epoch = batches.steps_per_epoch(len(mnist.train_labels),
-                                        config.batch_size)
+def _plan(config, num_workers: int, split: bool):
+    """What each scheduled function trains on: a function of k (its
+    position in scheduling order) -> (step, first row, rows) as int64
+    tensors []; and the functions per step. async: function k is global
+    batch k whole; async_split: function k is slice k % N of global
+    batch k // N."""
+    per_step = num_workers if split else 1
+    bounds = (batches.shard_bounds(config.batch_size, num_workers) if split
+              else [(0, config.batch_size)])
+
+    def function_args(k: int) -> tuple:
+        start, end = bounds[k % per_step]
+        return tuple(tf.constant(v, tf.int64)
+                     for v in (k // per_step, start, end - start))
+
+    return function_args, per_step
+
+
+def _train_set_fn(mnist):
+    """Per worker: the training set, (images uint8 [60000, 28, 28], labels
+    int32 [60000]), again at every next(). ParameterServerStrategy gives
+    every worker the same dataset (no worker index), so the coordinator
+    names each function's rows instead (_plan)."""
     images, labels = mnist.train_images, mnist.train_labels.astype(np.int32)
-    bounds = batches.shard_bounds(config.batch_size, num_workers)
+    return lambda: tf.data.Dataset.from_tensors((images, labels)).repeat()
 
-    def dataset_fn(context: tf.distribute.InputContext):
-        start, end = bounds[context.input_pipeline_id % num_workers]
-        x, y = tf.constant(images), tf.constant(labels)
 
-        def slice_of(step):
-            order = batches.epoch_order(len(labels), config.seed,
-                                        step // per_epoch)
-            rows = batches.slice_indices(order, step % per_epoch,
-                                         config.batch_size, (start, end))
-            return (tf.gather(x, rows), tf.gather(y, rows), step,
-                    tf.constant(start, tf.int64))
-
-        return tf.data.Dataset.range(train_steps).map(slice_of).repeat()
-
-    return dataset_fn
+def _rows(config, num_examples: int, per_epoch: int, step: tf.Tensor,
+          first_row: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """Example indices of rows [first_row, first_row + size) of global
+    batch `step` (int64 [] each), in the trainer's order: int32 [size]."""
+    order = batches.epoch_order(num_examples, config.seed, step // per_epoch)
+    first = (step % per_epoch) * config.batch_size + first_row
+    return tf.slice(order, tf.reshape(tf.cast(first, tf.int32), [1]),
+                    tf.reshape(tf.cast(size, tf.int32), [1]))
 
 
 def _stateless_dropout(seed: int, step: tf.Tensor, first_row: tf.Tensor):
@@ -91,7 +122,8 @@ def _stateless_dropout(seed: int, step: tf.Tensor, first_row: tf.Tensor):
     return dropout
 
 
-def _coordinate(config, out_path, strategy, num_workers: int) -> None:
+def _coordinate(config, out_path, strategy, num_workers: int,
+                split: bool) -> None:
     mnist, train_steps = common.load(config, need_test=True)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     layout = params_lib.FlatLayout(params_lib.plan_shards(
@@ -100,18 +132,22 @@ def _coordinate(config, out_path, strategy, num_workers: int) -> None:
     with strategy.scope():
         flat = tf.Variable(common.initial_parameters(layout))
         rule_state = rule.flat_state(layout.sizes[0])
-    dataset_fn = _dataset_fn(config, mnist, train_steps, num_workers)
-    # distribute_datasets_from_function gives dataset_fn the worker's
-    # InputContext (input_pipeline_id: which slice it feeds).
     iterators = iter(coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+        _train_set_fn(mnist)))
+    function_args, per_step = _plan(config, num_workers, split)
+    per_epoch = batches.steps_per_epoch(len(mnist.train_labels),
+                                        config.batch_size)
 
     def logits_of(x, dropout=model_lib.no_dropout):
         return replica_lib.logits(config, layout, [flat], x, dropout)
 
     @tf.function
-    def train_slice(iterator):
-        images, labels, step, first_row = next(iterator)
+    def train_slice(iterator, step, first_row, size):
+        train_images, train_labels = next(iterator)
+        rows = _rows(config, len(mnist.train_labels), per_epoch, step,
+                     first_row, size)
+        images = tf.gather(train_images, rows)
+        labels = tf.gather(train_labels, rows)
         dropout = _stateless_dropout(config.seed, step, first_row)
         with tf.GradientTape() as tape:
             out = logits_of(batches.model_input(images), dropout)
@@ -120,21 +156,28 @@ def _coordinate(config, out_path, strategy, num_workers: int) -> None:
         grad = tape.gradient(loss_sum, flat)
         rule.apply_flat(rule_state, flat, grad / stats[0],
                         optim.learning_rate(config, step, train_steps))
-        return stats
+        return stats, step, first_row
 
     evaluate = common.test_set_evaluator(mnist, logits_of)
     writer = progress.summary_writer(config.logdir)
+    trained = set()  # (step, first row) of every slice trained
 
     def run_steps(start: int, count: int) -> dict:
-        results = [coordinator.schedule(train_slice, args=(iterators,))
-                   for _ in range(count * num_workers)]
+        results = [coordinator.schedule(
+            train_slice, args=(iterators, *function_args(k)))
+            for k in range(start * per_step, (start + count) * per_step)]
         coordinator.join()
-        return {"stats": np.sum([r.fetch() for r in results], axis=0)}
+        fetched = [r.fetch() for r in results]
+        trained.update((int(s), int(r)) for _, s, r in fetched)
+        return {"stats": np.sum([f[0] for f in fetched], axis=0)}
 
     outcome = progress.drive(run_steps, evaluate, None, config, 0,
                              train_steps, writer)
     writer.close()
     common.write_results(out_path, config, train_steps, outcome,
-                         functions=train_steps * num_workers)
-    logging.info("async: %d functions of global batch / %d examples",
-                 train_steps * num_workers, num_workers)
+                         functions=train_steps * per_step,
+                         examples_per_update=(config.batch_size / per_step),
+                         distinct_slices=len(trained))
+    logging.info("%s: %d functions of global batch / %d examples; %d "
+                 "distinct slices", "async_split" if split else "async",
+                 train_steps * per_step, per_step, len(trained))

@@ -198,7 +198,7 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                          for i in range(num_ps)],
                   "chief": ([net.add_host("coord", sim.host_cpu,
                                           sim.link_rate)]
-                            if kind == "async" else [])}
+                            if kind in peers.ASYNC_KINDS else [])}
         addresses = {job: [f"{h.address}:{PORT}" for h in hosts]
                      for job, hosts in placed.items()}
         peer_tasks = peers.tasks(kind, config, s.out, name, addresses)

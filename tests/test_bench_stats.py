@@ -1,0 +1,143 @@
+"""The researcher's benchmark: seeds and spread, the chart as PNG, SVG and
+PDF, --replot, provenance, the two async variants and the Slurm placement
+of the peers' tasks."""
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from tests import helpers
+from trainer.bench import replot, report, runs, slurm_steps
+from trainer.bench import rows as rows_lib
+from trainer.common.config import TrainConfig
+from trainer.observe import progress, provenance
+
+PROVENANCE_KEYS = {"python", "tensorflow", "numpy", "cpu_model", "cpu_count",
+                   "cpu_usable", "host", "commit", "dirty",
+                   "simulated_hosts"}
+
+
+def fake_run(name: str, seed: int, accuracy: float, speed: float):
+    results = {"images_per_sec": speed, "final_test_accuracy": accuracy,
+               "wall_time_secs": 2.0, "train_time_secs": 1.0,
+               "mean_step_time_ms": 5.0, "eval_history": [],
+               "flags": {"seed": seed}}
+    return runs.Run(name, "ps", 2, results, {"chief": 500.0}, 1)
+
+
+def test_rows_give_mean_min_max_over_seeds_and_the_median_run(tmp_path):
+    s = runs.Settings(tmp_path, TrainConfig(logdir=str(tmp_path)), [], 1, 60)
+    group = [fake_run("ps_2w_s1", 1, 0.90, 300.0),
+             fake_run("ps_2w_s2", 2, 0.96, 100.0),
+             fake_run("ps_2w_s3", 3, 0.93, 200.0)]
+    rows, _ = rows_lib.make_rows(s, [group], 0.99)
+    row = rows[0]
+    assert row["run"] == "ps_2w_s3"  # the median by images/s
+    assert (row["runs"], row["seeds"]) == (3, "1;2;3")
+    assert row["test_accuracy_mean"] == pytest.approx(0.93)
+    assert (row["test_accuracy_min"], row["test_accuracy_max"]) == (0.90,
+                                                                    0.96)
+    assert row["images_per_sec_mean"] == pytest.approx(200.0)
+    assert (row["images_per_sec_min"], row["images_per_sec_max"]) == (100.0,
+                                                                      300.0)
+    table = report.write_outputs(tmp_path, rows, 0.99)
+    assert "| acc mean | acc min | acc max |" in table
+    assert "| 93.00% | 90.00% | 96.00% |" in table
+    with open(tmp_path / "results.csv") as f:
+        (csv_row,) = csv.DictReader(f)
+    assert float(csv_row["images_per_sec_max"]) == 300.0
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "results.svg").read_text().startswith("<?xml")
+        assert (tmp_path / "results.pdf").read_bytes()[:5] == b"%PDF-"
+        assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_provenance_is_in_every_results_file():
+    origin = provenance.collect()
+    assert set(origin) == PROVENANCE_KEYS
+    assert origin["tensorflow"] and origin["numpy"] and origin["cpu_count"]
+    assert origin["commit"] is None or len(origin["commit"]) == 40
+    outcome = progress.Outcome(history=[], train_secs=1.0, timed_steps=10,
+                               dropped=0)
+    fields = progress.results_fields(outcome, TrainConfig(logdir="x"), 10)
+    assert fields["provenance"] == origin
+    line = replot.describe(origin)
+    assert f"TensorFlow {origin['tensorflow']}" in line
+
+
+def test_slurm_peer_tasks_are_placed_like_the_ps_runs():
+    steps = slurm_steps.StepSettings("7", ("n1", "n2", "n3", "n4"), 1, 5000)
+    placed, nodes = slurm_steps.peer_addresses(steps, "async", 2, 1)
+    assert placed == {"chief": ["n1:5000"], "worker": ["n2:5001", "n3:5002"],
+                      "ps": ["n4:5003"]}
+    assert nodes == ["n1", "n2", "n3", "n4"]
+    two = slurm_steps.StepSettings("7", ("n1", "n2"), 2, 5000)
+    placed, nodes = slurm_steps.peer_addresses(two, "mwms", 3, 0)
+    assert placed["worker"] == ["n1:5000", "n1:5001", "n2:5002"]
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (["--seeds=1,x"], "--seeds=1,x must be a comma-separated list"),
+    (["--seeds=3,3"], "repeats a seed"),
+    (["--replot=/nonexistent/bench"], "no results.json there"),
+])
+def test_bad_seeds_or_replot_folder_is_one_line(tmp_path, args, phrase):
+    result = helpers.run(["-m", "trainer.benchmark", *args,
+                          f"--out={tmp_path / 'out'}"], timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:]
+    assert phrase in result.stdout
+    assert "Traceback" not in result.stdout
+
+
+@pytest.mark.cluster
+def test_seeds_async_variants_provenance_and_replot(tmp_path):
+    """Two seeds of ps, async and async_split with two workers; then
+    --replot of the folder gives the same rows."""
+    data = helpers.fake_mnist(tmp_path / "data")
+    out = tmp_path / "bench"
+    result = helpers.run(
+        ["-m", "trainer.benchmark", "--model=softmax", "--train_steps=40",
+         "--batch_size=32", "--workers=2", "--eval_every=40",
+         "--log_every=20", "--baselines=async,async_split", "--seeds=0,1",
+         f"--data_dir={data}", "--nodownload", f"--out={out}"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "provenance: Python" in result.stdout
+    saved = json.loads((out / "results.json").read_text())
+    rows = {r["kind"]: r for r in saved["rows"]}
+    assert sorted(rows) == ["async", "async_split", "ps"]
+    for row in rows.values():
+        assert (row["runs"], row["seeds"]) == (2, "0;1")
+        for figure in ("test_accuracy", "images_per_sec"):
+            assert (row[f"{figure}_min"] <= row[f"{figure}_mean"]
+                    <= row[f"{figure}_max"])
+    assert PROVENANCE_KEYS <= set(saved["provenance"])
+    assert saved["provenance"]["run_hosts"]
+    for seed in (0, 1):
+        per_run = json.loads((out / f"ps_2w_s{seed}" /
+                              "results.json").read_text())
+        assert per_run["flags"]["seed"] == seed
+        assert set(per_run["provenance"]) == PROVENANCE_KEYS
+        whole = json.loads((out / f"async_2w_s{seed}.chief.json").read_text())
+        split = json.loads(
+            (out / f"async_split_2w_s{seed}.chief.json").read_text())
+        assert (whole["functions"], whole["examples_per_update"]) == (40, 32)
+        assert (split["functions"], split["examples_per_update"]) == (80, 16)
+        # Every slice trained once, whichever worker ran it.
+        assert (whole["distinct_slices"], split["distinct_slices"]) == (40,
+                                                                        80)
+
+    again = helpers.run(["-m", "trainer.benchmark", f"--replot={out}",
+                         f"--out={tmp_path / 'replot'}"], timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    replotted = json.loads((tmp_path / "replot" / "results.json").read_text())
+    assert replotted["rows"] == saved["rows"]
+    assert replotted["command"] == saved["command"]
+    assert replotted["replotted_from"] == str(out)
+    assert (tmp_path / "replot" / "results.csv").read_text() == (
+        out / "results.csv").read_text()
+    assert list((tmp_path / "replot").glob("events.out.tfevents.*"))
+    if importlib.util.find_spec("matplotlib"):
+        for suffix in ("png", "svg", "pdf"):
+            assert (tmp_path / "replot" / f"results.{suffix}").exists()
