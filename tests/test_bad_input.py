@@ -102,9 +102,8 @@ def test_bad_flags(args, status, phrases):
     # Run outside a Slurm allocation (no SLURM_JOB_ID), as the suite is.
     ("trainer.benchmark", ["--hosts=slurm"],
      ["--hosts=slurm starts job steps in a Slurm allocation", "salloc"]),
-    ("trainer.benchmark", ["--hosts=slurm", "--baselines=single,mwms"],
-     ["--hosts=slurm runs the ps cluster and the single baseline, not "
-      "mwms"]),
+    ("trainer.benchmark", ["--baselines=single,fast"],
+     ["--baselines: unknown fast"]),
     ("trainer.soak", ["--num_workers=0"],
      ["--num_workers=0", "0 is not a positive integer"]),
 ])

@@ -119,7 +119,10 @@ def joined_all(c, workers) -> None:
         c.wait_for("worker0", rf"worker {k} \(localhost:\d+\) joined at")
 
 
-@pytest.mark.parametrize("order", ["", "--ordered_pulls"])
+# With ordered pulls too (a member's turns then come from the plan; the
+# unit tests in test_sync.py cover that), only with --runslow: CI's time.
+@pytest.mark.parametrize("order", [
+    "", pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
 def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
         cluster, tmp_path, reference, order):
     c = cluster(4, *filter(None, [order]))

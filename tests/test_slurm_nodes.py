@@ -151,7 +151,7 @@ def documented_scripts() -> dict[str, str]:
             for b in blocks}
 
 
-def test_docs_have_the_three_scripts():
+def test_docs_have_the_four_scripts():
     assert sorted(documented_scripts()) == [
         "mnist-bench", "mnist-ps", "mnist-ps-2x2", "mnist-ps-elastic"]
 
@@ -237,6 +237,10 @@ def test_documented_benchmark_script(nodes, tmp_path):
     assert rows["ps_1w"]["speedup"] == 1.0
 
 
+# 4 minutes: with --runslow only. Without it, test_documented_benchmark_script
+# runs the benchmark's job steps on these nodes and test_benchmark.py every
+# peer on loopback.
+@pytest.mark.slow
 def test_benchmark_runs_the_peers_as_job_steps(nodes, tmp_path):
     """The same script with --baselines=mwms,async: each peer process a
     job step of its own on its node (mwms: n1, n2; async: the
