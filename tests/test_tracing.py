@@ -22,7 +22,12 @@ def run(logdir, data, *flags):
     result = helpers.launch(logdir, data, 2, "--model=mlp",
                             "--hidden_units=32", "--batch_size=64",
                             f"--train_steps={STEPS}", "--log_every=10",
-                            "--eval_every=40", *flags)
+                            "--eval_every=40",
+                            # Both from the first step (the chief would
+                            # start alone), each with a slice every step
+                            # (balanced slices may bench one that measured
+                            # slow): both trace the traced steps.
+                            "--min_workers=2", "--slices=equal", *flags)
     assert result.returncode == 0, result.stdout[-3000:]
     return json.loads((logdir / "results.json").read_text())
 
