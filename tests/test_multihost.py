@@ -301,8 +301,11 @@ def test_a_long_partition_stops_the_run_and_a_restart_resumes(cluster,
         r"step \d+ in 10 s, --worker_timeout_secs\)", chief_log)
     saved = re.search(r"1 worker\(s\) left, fewer than --min_workers=2; "
                       r"saved a checkpoint at step (\d+)", stops[0])
-    # No step was applied with fewer workers than --min_workers.
-    assert left and saved and left.group(1) == saved.group(1), stops[0]
+    # No step was started with fewer workers than --min_workers: the one
+    # in progress when worker 1 was found lost (left.group(1), counted
+    # from 0) is finished by the chief, then the run stops.
+    assert left and saved, stops[0]
+    assert int(left.group(1)) <= int(saved.group(1)) <= int(left.group(1)) + 1
     # Worker 1 gave up by itself (2 x --worker_timeout_secs), saying why.
     worker1_log = c.log("worker1")
     assert worker1_code == 1, c.tails()
