@@ -7,7 +7,9 @@ twice, mixed steps, or was lost or applied twice would show.
 """
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -94,9 +96,14 @@ def test_backup_worker_killed_and_not_restarted(cluster, tmp_path):
 
 def test_too_few_workers_stop_the_run_then_a_restart_goes_on(
         cluster, tmp_path, reference):
-    c = cluster(2, "--worker_timeout_secs=10", "--min_workers=2")
+    # Equal slices: every step needs worker 1's gradient, so once it is
+    # frozen the run cannot end before the kill lands (a fast run would
+    # otherwise finish between a log line and the kill).
+    c = cluster(2, "--worker_timeout_secs=10", "--min_workers=2",
+                "--slices=equal")
     start_all(c, 2)
-    c.wait_for("worker0", r"step 100/")
+    c.wait_for("worker1", r"worker 1 joined at global step")
+    os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
     c.kill("worker1")
     killed = time.monotonic()
     assert c.wait("worker0", timeout=60) == 1
