@@ -63,6 +63,11 @@ def assert_exact(logdir, reference) -> dict:
     returns its results.json."""
     results = json.loads((logdir / "results.json").read_text())
     assert results["global_step"] == STEPS
+    # Every step of this launch averaged the whole global batch of 64,
+    # whoever computed it.
+    examples = results["averaged_examples"]
+    print(f"examples averaged per worker: {examples}")
+    assert sum(examples.values()) == 64 * results["steps_this_run"], results
     parameters = final_parameters(logdir)
     assert any(name.endswith("/m") for name in parameters)  # Adam's slots
     difference = max_relative_difference(reference, parameters)

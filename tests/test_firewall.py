@@ -140,8 +140,8 @@ def test_with_the_flag_only_the_cluster_gets_in(sim, open_run, tmp_path):
             c.processes["worker1"].wait(timeout=30)
             assert trainer_tables(c.hosts["worker1"]) == [TABLE]
             c.start("worker1")
-            wait_for_line(c, "worker1", "worker 1 asked the chief to take "
-                          "it in")
+            c.wait_for_line("worker1",
+                            "worker 1 asked the chief to take it in")
         finally:
             chief.send_signal(signal.SIGCONT)
         assert_finished(c)
@@ -159,16 +159,6 @@ def test_with_the_flag_only_the_cluster_gets_in(sim, open_run, tmp_path):
     for name, host in c.hosts.items():
         assert trainer_tables(host) == [], name
         assert "firewall: removed table" in c.log(name), name
-
-
-def wait_for_line(c: HostCluster, name: str, text: str,
-                  timeout: float = 240) -> None:
-    """Waits (bounded) for text in the latest log of task `name`."""
-    deadline = time.monotonic() + timeout
-    while text not in c.log(name):
-        assert time.monotonic() < deadline, c.tails()
-        assert c.processes[name].poll() is None, c.tails()
-        time.sleep(0.2)
 
 
 def run_main(*flags, env=None, wrap=()):

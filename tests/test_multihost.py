@@ -130,6 +130,15 @@ class HostCluster:
         raise AssertionError(f"no step {at_least} in {timeout} s\n"
                              + self.tails())
 
+    def wait_for_line(self, name: str, text: str,
+                      timeout: float = RUN_SECS) -> None:
+        """Waits for `text` in the latest log of task `name`."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log(name):
+            assert time.monotonic() < deadline, self.tails()
+            assert self.processes[name].poll() is None, self.tails()
+            time.sleep(0.1)
+
     def wait(self, name: str, timeout: float = RUN_SECS) -> int:
         try:
             return self.processes[name].wait(timeout=timeout)

@@ -31,7 +31,8 @@ class Chief(WorkerRole):
         # sync/contributions lives on ps 0 and restarts from zero whenever
         # the chief restores a checkpoint. What it had counted up to each
         # checkpoint this process saved is kept here, so that the counts
-        # survive a restore: int64 [N] by global step.
+        # survive a restore: int64 [N, 2] (steps, examples) by global
+        # step.
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
         self.halt_reason = None       # why training ends early (halt)
@@ -228,7 +229,7 @@ class Chief(WorkerRole):
                               values, self.config.keep_checkpoints)
 
     def _no_counts(self) -> np.ndarray:
-        return np.zeros([self.task.cluster.num_workers], np.int64)
+        return np.zeros([self.task.cluster.num_workers, 2], np.int64)
 
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         checkpoints.save(self.g.chief.saver, self.session, logdir, step)
@@ -260,6 +261,7 @@ class Chief(WorkerRole):
                        records: list) -> None:
         """results.json. averaged_steps: the applied steps of this launch
         whose average held each worker's gradient (ps-side, exact);
+        averaged_examples: the examples of each worker's slices in them;
         pushed_gradients: what each worker says it pushed (stale, dropped
         and redone ones included); membership: every roster change."""
         config, cluster = self.config, self.task.cluster
@@ -276,7 +278,9 @@ class Chief(WorkerRole):
             "min_workers": config.min_workers,
             "slices": config.slices,
             "averaged_steps": {str(k): int(n)
-                               for k, n in enumerate(counted)},
+                               for k, n in enumerate(counted[:, 0])},
+            "averaged_examples": {str(k): int(n)
+                                  for k, n in enumerate(counted[:, 1])},
             "pushed_gradients": {"0": self.pushed,
                                  **{str(k): v for k, v in pushed.items()}},
             "membership": records,

@@ -82,7 +82,7 @@ class ChiefOps:
     testset_init: object              # (session, images, labels) -> None
     param_values: dict                # parameter name -> float32 tensor
     take_finished: tuple              # (workers int32 [n], steps int64 [n])
-    contributions: tf.Tensor          # int64 [N]: admitted gradients
+    contributions: tf.Tensor          # int64 [N, 2]: steps, examples
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed

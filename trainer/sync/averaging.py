@@ -274,8 +274,12 @@ class Averaging:
         global_step = step + 1, which it returns (int64 [] on ps 0)."""
         s = self.shared
         with tf.device(self.device), tf.control_dependencies(after):
+            # An admitted worker's stats row is this round's (its push).
+            admitted = s.admitted.read_value() > 0.5
+            examples = tf.where(admitted, s.stats.read_value()[:, 0], 0.0)
             counted = s.contributions.assign_add(
-                tf.cast(s.admitted.read_value() > 0.5, tf.int64),
+                tf.stack([tf.cast(admitted, tf.int64),
+                          tf.cast(tf.round(examples), tf.int64)], axis=1),
                 read_value=False)
             with tf.control_dependencies([counted]):
                 advance = s.global_step.assign(step + 1, read_value=False)

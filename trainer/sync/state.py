@@ -101,8 +101,10 @@ class SharedState:
             # membership watch hears from a worker by it.
             self.last_push = ps_variable("sync/last_push", n, tf.int64,
                                          zeros, True)
-            self.contributions = ps_variable(  # steps that averaged each
-                "sync/contributions", n, tf.int64, zeros, True)
+            # Per worker: [steps whose average held its gradient, the
+            # examples it contributed to them] (int64 [N, 2]).
+            self.contributions = ps_variable(
+                "sync/contributions", n + [2], tf.int64, zeros, True)
             self.stats = ps_variable("sync/stats", n + [NUM_STATS],
                                      tf.float32, zeros, True)
             # Set by the chief's Python side: end the loop at the next step
