@@ -201,6 +201,11 @@ def test_every_peer_runs_and_says_how_it_ended(tmp_path):
     # chief, which applies no step after its last.)
     assert set(pushed) == {"0", "1"}
     assert sum(int(n) for n in pushed.values()) >= 2 * 20 - 1
+    # async: one update per global batch of 32, each batch trained once,
+    # whichever worker ran it.
+    whole = json.loads((out / "async_2w.chief.json").read_text())
+    assert (whole["functions"], whole["examples_per_update"],
+            whole["distinct_slices"]) == (20, 32, 20)
 
 
 def test_simulated_runs_start_the_projects_scripts():

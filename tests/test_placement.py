@@ -66,6 +66,10 @@ def test_mwms_and_colocated_ps_on_hosts(available, data, tmp_path):
                                                 abs=0.02)
 
 
+# Slow (81 s): sharded parameters are exact in
+# tests/test_cluster_runs.py::test_two_ps_tasks_and_a_resume_on_another_shape
+# and colocated runs train in test_mwms_and_colocated_ps_on_hosts.
+@pytest.mark.slow
 def test_colocated_placement_is_exact(available, data, tmp_path):
     """One worker (and its ps) against 4 workers each beside a ps task:
     the same parameters after the same steps."""
