@@ -41,7 +41,7 @@ from absl import flags
 from absl import logging
 
 from trainer import flags as trainer_flags
-from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.bench import checks
 from trainer.bench import replot
 from trainer.bench import report
 from trainer.bench import peers
@@ -50,7 +50,6 @@ from trainer.bench import runs as runs_lib
 from trainer.bench import slurm_steps
 from trainer.bench.simhosts import runs as simulated
 from trainer.common import processes
-from trainer.common.config import validate
 from trainer.common.errors import RunFailed, UserError
 from trainer.observe import provenance
 
@@ -120,86 +119,6 @@ _LABELS = {"ps": "ps cluster, {} worker(s)",
                           "/ N per update), {} worker(s)"}
 
 
-def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
-    """Refuses, before any run, what would fail or mislead halfway.
-
-    Returns the worker counts and the simulated-host settings (or None).
-    A used --out is refused: its runs' logdirs hold final checkpoints, so
-    the ps runs would resume them and train nothing.
-    """
-    try:
-        worker_counts = [int(w) for w in FLAGS.workers]
-    except ValueError:
-        raise UserError(f"--workers={','.join(FLAGS.workers)} must be a "
-                        "comma-separated list of worker counts") from None
-    if not worker_counts or min(worker_counts) < 1:
-        raise UserError("--workers needs worker counts of 1 or more")
-    seeds()
-    unknown = set(FLAGS.baselines) - {"single", *peers.PEER_KINDS}
-    if unknown:
-        raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
-                        " use single, mwms, sro, async or async_split "
-                        "(any of them)")
-    validate(trainer_flags.config_from_flags(), max(worker_counts))
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out={out} already holds a benchmark; give a "
-                        "new folder (or leave --out out for a fresh one)")
-    if FLAGS.hosts != "simulated":
-        if FLAGS.ps_placement != "separate" or FLAGS.straggler:
-            raise UserError("--ps_placement and --straggler need "
-                            "--hosts=simulated")
-    if FLAGS.hosts == "slurm":
-        return worker_counts, _check_slurm(worker_counts)
-    if FLAGS.hosts == "local":
-        return worker_counts, None
-    if (FLAGS.ps_placement == "colocated"
-            and FLAGS.num_ps > min(worker_counts)):
-        raise UserError(f"--ps_placement=colocated puts ps task k beside "
-                        f"worker k: --num_ps={FLAGS.num_ps} needs at least "
-                        f"that many workers in every run of --workers")
-    hosts_lib.parse_rate(FLAGS.link_rate)
-    cpus = _host_cpus(max(worker_counts))
-    hosts_lib.check_available()
-    return worker_counts, simulated.HostSettings(
-        cpus[0], FLAGS.ps_cpu or cpus[0], FLAGS.link_rate,
-        FLAGS.ps_placement, FLAGS.straggler,
-        tuple(cpus) if len(cpus) > 1 else ())
-
-
-def _host_cpus(most_workers: int) -> list[float]:
-    """--host_cpu as numbers: one for every host, or one per worker host
-    (at least as many as the largest run has workers)."""
-    try:
-        cpus = [float(v) for v in FLAGS.host_cpu]
-    except ValueError:
-        cpus = []
-    if not cpus or min(cpus) <= 0:
-        raise UserError(f"--host_cpu={','.join(FLAGS.host_cpu)} must be "
-                        "cores (0.3), or one value per worker host "
-                        "(0.3,0.3,0.15,0.15)")
-    if 1 < len(cpus) < most_workers:
-        raise UserError(f"--host_cpu has {len(cpus)} values for runs of up "
-                        f"to {most_workers} workers; give one value, or one "
-                        "per worker host")
-    return cpus
-
-
-def _check_slurm(worker_counts: list[int]) -> slurm_steps.StepSettings:
-    """--hosts=slurm: the allocation, checked to hold the largest run
-    (a peer's tasks included). Without --baselines, only the single
-    baseline runs beside the ps cluster."""
-    if not FLAGS["baselines"].present:
-        FLAGS.baselines = ["single"]
-    most = max(worker_counts)
-    largest = FLAGS.num_ps + most
-    for kind in set(FLAGS.baselines) & set(peers.PEER_KINDS):
-        largest = max(largest, len(peers.roles(
-            kind, most, peers.ps_tasks(kind, FLAGS.num_ps))))
-    return slurm_steps.allocation(os.environ, largest,
-                                  FLAGS.slurm_tasks_per_node,
-                                  FLAGS.slurm_base_port)
-
-
 def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
     plan = [("ps", n) for n in worker_counts]
     if "single" in FLAGS.baselines:
@@ -208,19 +127,6 @@ def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
         if kind in FLAGS.baselines:
             plan += [(kind, n) for n in worker_counts]
     return plan
-
-
-def seeds() -> list[int]:
-    """--seeds as integers (--seed if none); UserError if not."""
-    try:
-        values = [int(v) for v in FLAGS.seeds] or [FLAGS.seed]
-    except ValueError:
-        raise UserError(f"--seeds={','.join(FLAGS.seeds)} must be a "
-                        "comma-separated list of integers") from None
-    if len(set(values)) < len(values):
-        raise UserError(f"--seeds={','.join(FLAGS.seeds)} repeats a seed; "
-                        "use --repeats to rerun one seed")
-    return values
 
 
 def _seeded(s: runs_lib.Settings, seed: int) -> runs_lib.Settings:
@@ -243,7 +149,7 @@ def _run_names(kind: str, count: int, seed_list: list[int]) -> list:
 def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
     """Every configuration for every seed, --repeats times; returns runs
     by configuration."""
-    seed_list = seeds()
+    seed_list = checks.seeds()
     total = len(plan) * len(seed_list) * FLAGS.repeats
     local = {"ps": runs_lib.run_ps, "single": runs_lib.run_single}
     on_hosts = {"ps": simulated.run_ps_on_hosts,
@@ -293,7 +199,7 @@ def main(argv) -> int:
                            pathlib.Path(FLAGS.out), stamp)
     out = pathlib.Path(FLAGS.out or f"bench/{FLAGS.model}-{stamp}")
     try:
-        worker_counts, hosts = check_settings(out)
+        worker_counts, hosts = checks.check_settings(out)
     except UserError as e:
         logging.error("%s", e)
         return 2
@@ -322,7 +228,7 @@ def main(argv) -> int:
                           sim, steps)
     plan = plan_runs(worker_counts)
     logging.info("benchmark of %d runs x %d seed(s) x %d into %s: %s",
-                 len(plan), len(seeds()), FLAGS.repeats, out,
+                 len(plan), len(checks.seeds()), FLAGS.repeats, out,
                  ", ".join(f"{k} {n}" for k, n in plan))
     try:
         grouped = run_all(s, plan)
@@ -364,10 +270,10 @@ def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
         bound = 2 * singles["single_1t"] / max(singles.values())
         lines.append(f"bound on E(2) on this machine: 2 x single_1t / best "
                      f"single = {bound:.2f}")
-    runs = len(seeds()) * FLAGS.repeats
+    runs = len(checks.seeds()) * FLAGS.repeats
     if runs > 1:
         lines.append(f"each row: the median of {runs} runs by images/s "
-                     f"({len(seeds())} seed(s) x {FLAGS.repeats}); mean, min "
+                     f"({len(checks.seeds())} seed(s) x {FLAGS.repeats}); mean, min "
                      "and max over them in the _mean/_min/_max columns")
     lines.append(f"outputs in {out}; tensorboard --logdir {out}")
     return "\n".join(lines)

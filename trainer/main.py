@@ -42,7 +42,8 @@ def main(argv) -> int:
             _install_firewall(task)
     except UserError as e:
         return _fail(e, 2)
-    from trainer.roles import run as train# imports TensorFlow: after the flag checks
+    # TensorFlow is imported here, after the flag checks.
+    from trainer.roles import run as train
     train.tf.get_logger().setLevel("ERROR")  # deprecation chatter of tf.v1
 
     # Training runs in a thread of its own so that this (main) thread, where
@@ -65,19 +66,7 @@ def main(argv) -> int:
     thread = threading.Thread(target=train_to_the_end, name="train",
                               daemon=True)
     thread.start()
-    deadline = None
-    try:
-        while thread.is_alive():
-            thread.join(0.2)
-            if terminated and deadline is None:
-                grace = train.terminate()
-                if not grace:
-                    _exit_now("terminated", 143)
-                deadline = time.monotonic() + grace
-            if deadline is not None and time.monotonic() > deadline:
-                _exit_now("terminated; the chief did not stop in time", 143)
-    except KeyboardInterrupt:
-        _exit_now("interrupted", 130)
+    _wait_for(thread, terminated, train.terminate)
     if terminated:
         if "error" in outcome:
             logging.error("%s", outcome["error"])
@@ -92,6 +81,25 @@ def main(argv) -> int:
     if isinstance(error, RunFailed):
         return _fail(error, 1)
     raise error
+
+
+def _wait_for(thread, terminated: list, terminate) -> None:
+    """Waits for the training thread; on SIGTERM (`terminated` non-empty)
+    calls `terminate()` once for a grace period in seconds (0: exit now)
+    and exits if the thread outlives it. Ctrl-C exits at once."""
+    deadline = None
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+            if terminated and deadline is None:
+                grace = terminate()
+                if not grace:
+                    _exit_now("terminated", 143)
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                _exit_now("terminated; the chief did not stop in time", 143)
+    except KeyboardInterrupt:
+        _exit_now("interrupted", 130)
 
 
 def _install_firewall(task) -> None:

@@ -14,8 +14,8 @@ from trainer.common.tf_session import error_summary
 from trainer.observe import progress
 from trainer.observe import tracing
 from trainer.roles import membership
-from trainer.roles.lifecycle import (POLL_SECS, PROGRESS_LOG_SECS,
-                                     WorkerRole, token_of)
+from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
+                                     token_of)
 from trainer.saving import checkpoints
 from trainer.saving import export
 
@@ -88,25 +88,19 @@ class Chief(WorkerRole):
     def _wait_for_workers(self, count: int) -> None:
         """Takes in the workers that joined until `count` are in (at most
         --startup_timeout_secs)."""
-        start = time.monotonic()
-        next_log = start + PROGRESS_LOG_SECS
-        while True:
-            members = int(self.session.run(self.g.chief.absorb_op).sum())
-            if members >= count or self.halt_reason:
-                return
-            now = time.monotonic()
-            if now - start > self.config.startup_timeout_secs:
-                raise RunFailed(
-                    f"only {members} of the --min_workers={count} workers "
-                    f"joined within {self.config.startup_timeout_secs:.0f} s "
-                    "(--startup_timeout_secs); start the others or lower "
-                    "--min_workers")
-            if now >= next_log:
-                logging.info("%d of --min_workers=%d workers in; waiting "
-                             "for the others: %.0f s", members, count,
-                             now - start)
-                next_log = now + PROGRESS_LOG_SECS
-            time.sleep(POLL_SECS)
+        timeout, members = self.config.startup_timeout_secs, [0]
+
+        def ready() -> bool:
+            members[0] = int(self.session.run(self.g.chief.absorb_op).sum())
+            return members[0] >= count or bool(self.halt_reason)
+
+        poll_until(
+            ready, timeout,
+            lambda secs: f"{members[0]} of --min_workers={count} workers in;"
+                         f" waiting for the others: {secs:.0f} s",
+            lambda: f"only {members[0]} of the --min_workers={count} workers"
+                    f" joined within {timeout:.0f} s (--startup_timeout_secs)"
+                    "; start the others or lower --min_workers")
 
     def _end_late_joiners(self, watch) -> None:
         """Declared workers that never joined (a short run can end before

@@ -212,6 +212,22 @@ def token_of(step: int) -> np.ndarray:
     return np.array([step, 0, 0, 0], np.int64)
 
 
+def poll_until(ready, timeout: float, waiting, failure) -> None:
+    """Calls ready() every POLL_SECS until it returns true. Every
+    PROGRESS_LOG_SECS logs waiting(seconds so far) (a line); after
+    `timeout` seconds raises RunFailed(failure())."""
+    start = time.monotonic()
+    next_log = start + PROGRESS_LOG_SECS
+    while not ready():
+        now = time.monotonic()
+        if now - start > timeout:
+            raise RunFailed(failure())
+        if now >= next_log:
+            logging.info("%s", waiting(now - start))
+            next_log = now + PROGRESS_LOG_SECS
+        time.sleep(POLL_SECS)
+
+
 def wait_for_ps(task: Task, timeout: float) -> None:
     """Waits until every ps task accepts connections, logging progress."""
     start = time.monotonic()

@@ -92,7 +92,7 @@ class ChiefStep:
                 # Apply: the optimizer (trainer/learning/optim.py) on each ps.
                 applied = self.update.apply(
                     step, list(zip(mean_grads, parts.flat.variables)))
-                # Count: contributions, global step + 1.
+                # Count: steps and examples per worker, global step + 1.
                 return rule.count_and_advance(step, [applied]), step_stats
 
             def plan_again():

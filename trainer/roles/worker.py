@@ -11,8 +11,8 @@ from absl import logging
 
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
-from trainer.roles.lifecycle import (POLL_SECS, PROGRESS_LOG_SECS,
-                                     WorkerRole, token_of)
+from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
+                                     token_of)
 from trainer.sync import state
 
 JOIN_AGAIN_SECS = 5.0
@@ -103,21 +103,14 @@ class Worker(WorkerRole):
         """The handshake (trainer/sync/coordination.py): wait until the
         chief marks the run ready, then compare its settings with ours."""
         chief = self.task.cluster.describe("worker", 0)
-        start = time.monotonic()
-        next_log = start + PROGRESS_LOG_SECS
-        while not self.session.run(self.g.handles.ready):
-            now = time.monotonic()
-            if now - start > self.config.startup_timeout_secs:
-                raise RunFailed(
-                    f"the chief, {chief}, did not initialize the variables "
-                    f"within {self.config.startup_timeout_secs:.0f} s "
-                    "(--startup_timeout_secs); start it or check "
-                    "--worker_hosts")
-            if now >= next_log:
-                logging.info("waiting for the chief, %s, to initialize the "
-                             "variables: %.0f s", chief, now - start)
-                next_log = now + PROGRESS_LOG_SECS
-            time.sleep(POLL_SECS)
+        timeout = self.config.startup_timeout_secs
+        poll_until(
+            lambda: self.session.run(self.g.handles.ready), timeout,
+            lambda secs: f"waiting for the chief, {chief}, to initialize the"
+                         f" variables: {secs:.0f} s",
+            lambda: f"the chief, {chief}, did not initialize the variables "
+                    f"within {timeout:.0f} s (--startup_timeout_secs); start"
+                    " it or check --worker_hosts")
         chiefs = self.session.run(self.g.handles.chief_fingerprint).decode()
         ours = self.g.coord.fingerprint
         if chiefs != ours:

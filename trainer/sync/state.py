@@ -83,24 +83,7 @@ class SharedState:
                                         zeros, True)
             self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
                                       True)  # [first, end) per worker
-            # Examples per second of each worker, averaged over its recent
-            # rounds; 0 until measured. Balanced slices follow it.
-            self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
-            # Seconds from token to push of each worker's recent pieces,
-            # and when (ps 0's clock) and for which round its last token
-            # was issued, and the last round it answered.
-            self.round_secs = ps_variable("sync/round_secs", n, tf.float32,
-                                          zeros, True)
-            self.issued_at = ps_variable("sync/issued_at", n, tf.float64,
-                                         zeros, True)
-            self.issued_round = ps_variable("sync/issued_round", n,
-                                            tf.int64, zeros, True)
-            self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
-                                        True)
-            # The round of each worker's latest push, stale or not: the
-            # membership watch hears from a worker by it.
-            self.last_push = ps_variable("sync/last_push", n, tf.int64,
-                                         zeros, True)
+            self._timing_variables(n, zeros)
             # Per worker: [steps whose average held its gradient, the
             # examples it contributed to them] (int64 [N, 2]).
             self.contributions = ps_variable(
@@ -121,6 +104,28 @@ class SharedState:
                                                [[TOKEN_SIZE]])
                            for k in range(num_workers)]
         self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
+
+    def _timing_variables(self, n: list, zeros) -> None:
+        """Per worker, on the current (ps 0) device: its speed, how long
+        its pieces take, and what it was issued and answered last."""
+        # Examples per second of each worker, averaged over its recent
+        # rounds; 0 until measured. Balanced slices follow it.
+        self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
+        # Seconds from token to push of each worker's recent pieces,
+        # and when (ps 0's clock) and for which round its last token
+        # was issued, and the last round it answered.
+        self.round_secs = ps_variable("sync/round_secs", n, tf.float32,
+                                      zeros, True)
+        self.issued_at = ps_variable("sync/issued_at", n, tf.float64,
+                                     zeros, True)
+        self.issued_round = ps_variable("sync/issued_round", n,
+                                        tf.int64, zeros, True)
+        self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
+                                    True)
+        # The round of each worker's latest push, stale or not: the
+        # membership watch hears from a worker by it.
+        self.last_push = ps_variable("sync/last_push", n, tf.int64,
+                                     zeros, True)
 
     def _gradient_rows(self, shard: int):
         """float32 [N, n_s] on shard s's ps: row k is worker k's gradient
