@@ -13,7 +13,8 @@ import pytest
 from tests import helpers
 from tests.test_dashboard import (get_json, poll, session_groups,
                                   tensorboard)
-from trainer.bench import dashboard, report, runs
+from trainer.bench import dashboard, peers, report, runs
+from trainer.bench.baselines import peer as peer_lib
 from trainer.bench import rows as rows_lib
 from trainer.bench.simhosts import bound
 from trainer.bench.simhosts import runs as simulated
@@ -206,6 +207,33 @@ def test_every_peer_runs_and_says_how_it_ended(tmp_path):
     whole = json.loads((out / "async_2w.chief.json").read_text())
     assert (whole["functions"], whole["examples_per_update"],
             whole["distinct_slices"]) == (20, 32, 20)
+
+
+def test_each_peer_is_one_module_that_declares_its_processes(tmp_path):
+    """The peers are found from their modules, in their declared order,
+    and the command line written for a process is the one it reads back."""
+    found = peers.all_peers()
+    assert list(found) == ["mwms", "sro", "async", "async_split"]
+    for peer in found.values():
+        spec = importlib.util.find_spec(peer.module)
+        assert spec is not None and spec.origin.endswith(".py")
+    assert peers.get("mwms").roles(2, 3) == [("worker", 0), ("worker", 1)]
+    assert peers.task_counts("async", 2, 1) == {"chief": 1, "worker": 2,
+                                                "ps": 1}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"logdir": str(tmp_path), "model": "softmax",
+                                  "batch_size": 8}))
+    addresses = {"worker": ["a:1", "b:2"], "ps": ["p:3"], "chief": []}
+    (task,) = [t for t in peers.tasks("sro", config, tmp_path, "r",
+                                      addresses) if t.name == "ps0"]
+    assert task.argv[:2] == ["-m", "trainer.bench.baselines.sro"]
+    seen = []
+    assert peer_lib.main(peers.get("sro"), lambda *a: seen.append(a),
+                         ["prog", *task.argv[2:]]) == 0
+    ((got_config, out, job, index, hosts),) = seen
+    assert (got_config.model, got_config.batch_size) == ("softmax", 8)
+    assert (out, job, index) == (str(task.out_json), "ps", 0)
+    assert hosts == {"worker": ["a:1", "b:2"], "ps": ["p:3"]}
 
 
 def test_simulated_runs_start_the_projects_scripts():

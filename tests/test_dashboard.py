@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from trainer.bench import dashboard
+from trainer.bench import peers
 from trainer.common.errors import UserError
 
 DOMAINS = {"kind": ["ps", "single", "mwms"], "workers": [1, 2],
@@ -109,7 +110,7 @@ def test_writes_eagerly_from_inside_a_graph(tmp_path):
 ])
 def test_rejects_bad_input(tmp_path, call, message):
     dashboard.write_experiment(
-        tmp_path, {"workers": [1, 2], "kind": list(dashboard.KINDS)},
+        tmp_path, {"workers": [1, 2], "kind": list(peers.all_kinds())},
         ["final_test_accuracy"])
     with pytest.raises(UserError, match=re.escape(message)):
         call(tmp_path)

@@ -59,11 +59,9 @@ flags.DEFINE_list("workers", ["1", "2", "4"],
                   "Worker counts to run the ps cluster (and MWMS) with.")
 flags.DEFINE_list("baselines", ["single", "mwms"],
                   "Peers to run beside the ps trainer: single (one process, "
-                  "no servers), mwms (MultiWorkerMirroredStrategy, ring "
-                  "all-reduce), sro (the SyncReplicasOptimizer recipe), "
-                  "async (ParameterServerStrategy, each update on the "
-                  "global batch), async_split (each on global batch / N, N "
-                  "times as many updates); empty for none.")
+                  "no servers), " + ", ".join(
+                      p.help for p in peers.all_peers().values())
+                  + "; empty for none.")
 flags.DEFINE_list("single_threads", ["1", "2"],
                   "Intra-op thread counts for the single-process baseline; "
                   "the best is the reference for efficiency.")
@@ -112,18 +110,14 @@ flags.DEFINE_bool("straggler", False, "With --hosts=simulated: once "
 FLAGS = flags.FLAGS
 _LABELS = {"ps": "ps cluster, {} worker(s)",
            "single": "single process, {} thread(s)",
-           "mwms": "MWMS, {} worker(s)",
-           "sro": "SyncReplicasOptimizer recipe, {} worker(s)",
-           "async": "ParameterServerStrategy (async), {} worker(s)",
-           "async_split": "ParameterServerStrategy (async, global batch "
-                          "/ N per update), {} worker(s)"}
+           **{p.name: p.label for p in peers.all_peers().values()}}
 
 
 def plan_runs(worker_counts: list[int]) -> list[tuple[str, int]]:
     plan = [("ps", n) for n in worker_counts]
     if "single" in FLAGS.baselines:
         plan += [("single", int(t)) for t in FLAGS.single_threads]
-    for kind in peers.PEER_KINDS:
+    for kind in peers.all_peers():
         if kind in FLAGS.baselines:
             plan += [(kind, n) for n in worker_counts]
     return plan
@@ -156,7 +150,7 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
                 "single": simulated.run_single_on_host}
     as_steps = {"ps": slurm_steps.run_ps_as_step,
                 "single": slurm_steps.run_single_as_step}
-    for kind in peers.PEER_KINDS:  # (s, count, name, label) -> Run
+    for kind in peers.all_peers():  # (s, count, name, label) -> Run
         local[kind] = functools.partial(runs_lib.run_peer, kind=kind)
         on_hosts[kind] = functools.partial(simulated.run_peer_on_hosts,
                                            kind=kind)
@@ -174,7 +168,7 @@ def run_all(s: runs_lib.Settings, plan: list) -> list[list[runs_lib.Run]]:
                           on_hosts if s.sim else local)[kind]
                 run = runner(_seeded(s, seed), count, name, label)
             except RunFailed as e:
-                if kind not in peers.PEER_KINDS:
+                if not peers.is_peer(kind):
                     raise
                 # A peer that fails gets an error in its row; the rest of
                 # the benchmark goes on.

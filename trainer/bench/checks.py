@@ -33,11 +33,11 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
     if not worker_counts or min(worker_counts) < 1:
         raise UserError("--workers needs worker counts of 1 or more")
     seeds()
-    unknown = set(FLAGS.baselines) - {"single", *peers.PEER_KINDS}
+    known = ["single", *peers.all_peers()]
+    unknown = set(FLAGS.baselines) - set(known)
     if unknown:
         raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
-                        " use single, mwms, sro, async or async_split "
-                        "(any of them)")
+                        f" use any of {', '.join(known)}")
     validate(trainer_flags.config_from_flags(), max(worker_counts))
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out={out} already holds a benchmark; give a "
@@ -90,9 +90,9 @@ def _check_slurm(worker_counts: list[int]) -> slurm_steps.StepSettings:
         FLAGS.baselines = ["single"]
     most = max(worker_counts)
     largest = FLAGS.num_ps + most
-    for kind in set(FLAGS.baselines) & set(peers.PEER_KINDS):
-        largest = max(largest, len(peers.roles(
-            kind, most, peers.ps_tasks(kind, FLAGS.num_ps))))
+    for kind in set(FLAGS.baselines) & set(peers.all_peers()):
+        largest = max(largest, len(peers.get(kind).roles(most,
+                                                         FLAGS.num_ps)))
     return slurm_steps.allocation(os.environ, largest,
                                   FLAGS.slurm_tasks_per_node,
                                   FLAGS.slurm_base_port)

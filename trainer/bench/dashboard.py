@@ -41,9 +41,9 @@ from absl import logging
 import tensorflow as tf
 from tensorboard.plugins.hparams import api as hp
 
+from trainer.bench import peers
 from trainer.common.errors import UserError
 
-KINDS = ("ps", "single", "mwms", "sro", "async", "async_split")
 
 # name -> (type, display name, description). Values of int hparams are
 # shown as floats by TensorBoard (it has no int type).
@@ -260,9 +260,10 @@ def _typed(name: str, kind: type, value):
     if not ok:
         raise UserError(f"hparam {name!r} must be of type "
                         f"{kind.__name__}, got {value!r}")
-    if name == "kind" and value not in KINDS:
+    kinds = peers.all_kinds()
+    if name == "kind" and value not in kinds:
         raise UserError(f"hparam 'kind' is {value!r}; use one of "
-                        f"{', '.join(KINDS)}")
+                        f"{', '.join(kinds)}")
     return kind(value)
 
 

@@ -237,7 +237,7 @@ def run_single(s: Settings, threads: int, name: str, label: str) -> Run:
     results = s.out / f"{name}.results.json"
     # A process without a server sizes its thread pool from this variable,
     # not from the session's ConfigProto.
-    process = popen("single", ["-m", "trainer.bench.baselines", "single",
+    process = popen("single", ["-m", "trainer.bench.baselines.single",
                                str(config), str(results)],
                     TF_NUM_INTRAOP_THREADS=str(threads))
     (status,) = stream([process], label, s.timeout)
@@ -254,8 +254,7 @@ def run_peer(s: Settings, workers: int, name: str, label: str,
     out = s.out
     config = write_config(
         s, name, intra_op_threads=max(1, (os.cpu_count() or 1) // workers))
-    counts = {"worker": workers, "ps": peers.ps_tasks(kind, s.num_ps),
-              "chief": 1 if kind in peers.ASYNC_KINDS else 0}
+    counts = peers.task_counts(kind, workers, s.num_ps)
     addresses = {job: [f"localhost:{p}" for p in
                        launcher.free_ports("localhost", n)] if n else []
                  for job, n in counts.items()}
@@ -284,4 +283,4 @@ def finish_peer(kind: str, workers: int, name: str, label: str,
         raise RunFailed(f"{label} failed with statuses {statuses}")
     leader, peak, extra = peers.figures(kind, peer_tasks, stopped)
     return Run(name, kind, workers, leader, peak,
-               peers.ps_tasks(kind, num_ps), extra=extra)
+               peers.get(kind).ps_tasks(num_ps), extra=extra)

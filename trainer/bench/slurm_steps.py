@@ -10,10 +10,10 @@ the allocation's nodes, the way a user runs the trainer there:
     --slurm_tasks_per_node per node (default 1: every task on a node of
     its own, as --hosts=simulated places them);
   * the single-process baseline is a one-task step;
-  * a peer run (mwms, sro, async, async_split: trainer/bench/peers.py) is
+  * a peer run (trainer/bench/peers.py) is
     one one-task step per process, all started at once, each pinned with
     --nodelist to its node: the peers' processes need every address before
-    they start, so task j (the leader first, peers.roles' order) gets node
+    they start, so task j (the leader first, Peer.roles' order) gets node
     j // --slurm_tasks_per_node and port --slurm_base_port + j.
 
 Every node must see the same Python, this checkout and --out (a shared
@@ -154,7 +154,7 @@ def run_single_as_step(s: runs_lib.Settings, threads: int, name: str,
     config = runs_lib.write_config(s, name, intra_op_threads=threads)
     results = s.out / f"{name}.results.json"
     argv = srun_argv(s.steps, 1, name) + [
-        sys.executable, "-m", "trainer.bench.baselines", "single",
+        sys.executable, "-m", "trainer.bench.baselines.single",
         str(config), str(results)]
     # A process without a server sizes its thread pool from this variable;
     # srun passes our environment on to the task.
@@ -172,10 +172,10 @@ def run_single_as_step(s: runs_lib.Settings, threads: int, name: str,
 def peer_addresses(steps: StepSettings, kind: str, workers: int,
                    num_ps: int) -> tuple[dict, list]:
     """Where each process of a peer run goes: (job -> [node:port], the
-    node of each task in peers.roles' order)."""
+    node of each task in Peer.roles' order)."""
     placed = {"worker": [], "ps": [], "chief": []}
     task_nodes = []
-    for j, (job, _) in enumerate(peers.roles(kind, workers, num_ps)):
+    for j, (job, _) in enumerate(peers.get(kind).roles(workers, num_ps)):
         node = steps.nodes[j // steps.tasks_per_node]
         placed[job].append(f"{node}:{steps.base_port + j}")
         task_nodes.append(node)
@@ -189,7 +189,7 @@ def run_peer_as_steps(s: runs_lib.Settings, workers: int, name: str,
     Steps still there once the run is over (servers that never end) are
     stopped, then cancelled."""
     config = runs_lib.write_config(s, name, intra_op_threads=1)
-    num_ps = peers.ps_tasks(kind, s.num_ps)
+    num_ps = peers.get(kind).ps_tasks(s.num_ps)
     addresses, task_nodes = peer_addresses(s.steps, kind, workers, num_ps)
     peer_tasks = peers.tasks(kind, config, s.out, name, addresses)
     step_names = [f"{name}.{t.name}" for t in peer_tasks]

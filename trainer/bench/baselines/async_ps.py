@@ -32,6 +32,7 @@ to `functions` when each was trained once.
 """
 
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -39,6 +40,7 @@ import tensorflow as tf
 from absl import logging
 
 from trainer.bench.baselines import common
+from trainer.bench.baselines import peer
 from trainer.common.config import TrainConfig
 from trainer.learning import batches
 from trainer.learning import model as model_lib
@@ -48,13 +50,30 @@ from trainer.learning import replica as replica_lib
 from trainer.observe import progress
 
 
-def run_async_task(config: TrainConfig, out_path: str, job: str, index: int,
-                   ps_hosts: list[str], worker_hosts: list[str],
-                   chief_host: str, split: bool = False) -> None:
+def extra_columns(leader: dict, outputs: dict, tasks: list) -> dict:
+    """The distinct (step, first row) slices trained, of train_steps (or
+    of N x train_steps with async_split); fewer if some were repeated."""
+    del outputs, tasks
+    return {"distinct_slices": leader.get("distinct_slices")}
+
+
+# The coordinator leads; the workers and ps tasks are servers that never
+# return from server.join(): the benchmark ends them.
+PEER = peer.Peer(
+    name="async", order=3,
+    label="ParameterServerStrategy (async), {} worker(s)",
+    help="async (ParameterServerStrategy, each update on the global batch)",
+    module="trainer.bench.baselines.async_ps", ps=True, coordinator=True,
+    ends_by_itself=False, extra_columns=extra_columns)
+
+
+def run_task(config: TrainConfig, out_path: str, job: str, index: int,
+             hosts: dict, split: bool = False) -> None:
     """Runs ps or worker `index` (forever), or the coordinator ("chief");
     split: the async_split variant (module docstring)."""
-    cluster = tf.train.ClusterSpec({"ps": ps_hosts, "worker": worker_hosts,
-                                    "chief": [chief_host]})
+    cluster = tf.train.ClusterSpec({"ps": hosts["ps"],
+                                    "worker": hosts["worker"],
+                                    "chief": hosts["chief"]})
     tf.config.threading.set_intra_op_parallelism_threads(
         config.intra_op_threads)
     tf.config.threading.set_inter_op_parallelism_threads(
@@ -69,7 +88,7 @@ def run_async_task(config: TrainConfig, out_path: str, job: str, index: int,
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         cluster, task_type="chief", task_id=0, rpc_layer="grpc")
     strategy = tf.distribute.ParameterServerStrategy(resolver)
-    _coordinate(config, out_path, strategy, len(worker_hosts), split)
+    _coordinate(config, out_path, strategy, len(hosts["worker"]), split)
 
 
 def _plan(config, num_workers: int, split: bool):
@@ -181,3 +200,7 @@ def _coordinate(config, out_path, strategy, num_workers: int,
     logging.info("%s: %d functions of global batch / %d examples; %d "
                  "distinct slices", "async_split" if split else "async",
                  train_steps * per_step, per_step, len(trained))
+
+
+if __name__ == "__main__":
+    sys.exit(peer.main(PEER, run_task))

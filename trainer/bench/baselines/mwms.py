@@ -6,11 +6,13 @@ as the ps trainer, so the accuracies compare."""
 
 import json
 import os
+import sys
 
 import numpy as np
 import tensorflow as tf
 
 from trainer.bench.baselines import common
+from trainer.bench.baselines import peer
 from trainer.common.config import TrainConfig
 from trainer.learning import batches
 from trainer.learning import model as model_lib
@@ -18,6 +20,18 @@ from trainer.learning import optim
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.observe import progress
+
+PEER = peer.Peer(
+    name="mwms", order=1, label="MWMS, {} worker(s)",
+    help="mwms (MultiWorkerMirroredStrategy, ring all-reduce)",
+    module="trainer.bench.baselines.mwms")
+
+
+def run_task(config: TrainConfig, out_path: str, job: str, index: int,
+             hosts: dict) -> None:
+    """Worker `index` (the only job) of the ring over hosts["worker"]."""
+    del job
+    run_mwms_worker(config, out_path, index, hosts["worker"])
 
 
 def _mwms_strategy(config: TrainConfig, index: int, hosts: list[str]):
@@ -90,3 +104,7 @@ def run_mwms_worker(config: TrainConfig, out_path: str, index: int,
     if writer:
         writer.close()
     common.write_results(out_path, config, train_steps, outcome, worker=index)
+
+
+if __name__ == "__main__":
+    sys.exit(peer.main(PEER, run_task))

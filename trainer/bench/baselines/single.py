@@ -1,9 +1,18 @@
 """single: the trainer's model, batches, loss, update rule and in-graph
 step loop in one process, with no cluster and no servers: the ceiling a
-cluster on one machine is held against."""
+cluster on one machine is held against.
+
+    python -m trainer.bench.baselines.single CONFIG.json OUT.json
+
+(the benchmark's line, trainer/bench/runs.py; not a user interface).
+"""
 
 import dataclasses
+import json
+import pathlib
+import sys
 
+from absl import logging
 import tensorflow as tf
 
 from trainer.bench.baselines import common
@@ -93,3 +102,16 @@ def run_single_process(config: TrainConfig, out_path: str) -> None:
                              None, config, 0, train_steps, writer)
     writer.close()
     common.write_results(out_path, config, train_steps, outcome)
+
+
+def main(argv: list[str]) -> int:
+    config_path, out_path = argv[1:3]
+    config = TrainConfig(**json.loads(pathlib.Path(config_path).read_text()))
+    logging.set_verbosity(logging.INFO)
+    logging.use_absl_handler()
+    run_single_process(config, out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

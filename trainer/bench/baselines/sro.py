@@ -18,6 +18,7 @@ it pushed. The ps never returns from `server.join()` and a worker whose
 last token never comes never ends: the benchmark ends them and says so.
 """
 
+import sys
 import threading
 import time
 
@@ -26,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.bench.baselines import common
+from trainer.bench.baselines import peer
 from trainer.common.config import TrainConfig
 from trainer.learning import batches
 from trainer.learning import optim
@@ -35,10 +37,30 @@ from trainer.learning.data import IMAGE_SIZE
 from trainer.observe import progress
 
 
-def run_sro_task(config: TrainConfig, out_path: str, job: str, index: int,
-                 ps_hosts: list[str], worker_hosts: list[str]) -> None:
+
+
+def extra_columns(leader: dict, outputs: dict, tasks: list) -> dict:
+    """How many gradients each worker pushed: "index:count;..."."""
+    del leader
+    return {"pushed_gradients": ";".join(
+        f"{t.index}:{outputs[t.name].get('pushed_gradients', '?')}"
+        for t in tasks if t.job == "worker")}
+
+
+# The ps tasks never return from server.join(), and a worker whose last
+# token never comes never ends: the benchmark ends them.
+PEER = peer.Peer(
+    name="sro", order=2, label="SyncReplicasOptimizer recipe, {} worker(s)",
+    help="sro (the SyncReplicasOptimizer recipe)",
+    module="trainer.bench.baselines.sro", ps=True, ends_by_itself=False,
+    extra_columns=extra_columns)
+
+
+def run_task(config: TrainConfig, out_path: str, job: str, index: int,
+             hosts: dict) -> None:
     """Runs ps `index` (forever) or worker `index` of the recipe."""
-    cluster = tf.train.ClusterSpec({"ps": ps_hosts, "worker": worker_hosts})
+    cluster = tf.train.ClusterSpec({"ps": hosts["ps"],
+                                    "worker": hosts["worker"]})
     server = tf.distribute.Server(
         cluster, job_name=job, task_index=index,
         config=tf.compat.v1.ConfigProto(
@@ -222,3 +244,7 @@ class _LocalEvaluator:
         out = self.session.run(self.outputs,
                                dict(zip(self.values_in, values)))
         return {k: float(v) for k, v in out.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(peer.main(PEER, run_task))

@@ -170,7 +170,7 @@ def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
         host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
         env = processes.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
         process = host.popen(
-            [sys.executable, "-m", "trainer.bench.baselines", "single",
+            [sys.executable, "-m", "trainer.bench.baselines.single",
              str(config), str(results)], env=env, cwd=str(REPO),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         (status,) = runs_lib.stream([process], label, s.timeout)
@@ -189,16 +189,16 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
     sim: HostSettings = s.sim
     config = runs_lib.write_config(s, name, intra_op_threads=1,
                                    inter_op_threads=1)
-    num_ps = peers.ps_tasks(kind, s.num_ps)
+    counts = peers.task_counts(kind, workers, s.num_ps)
     with hosts_lib.SimulatedHosts() as net:
         placed = {"worker": [net.add_host(f"w{k}", sim.worker_cpu(k),
                                           sim.link_rate)
                              for k in range(workers)],
                   "ps": [net.add_host(f"ps{i}", sim.ps_cpu, sim.link_rate)
-                         for i in range(num_ps)],
-                  "chief": ([net.add_host("coord", sim.host_cpu,
-                                          sim.link_rate)]
-                            if kind in peers.ASYNC_KINDS else [])}
+                         for i in range(counts["ps"])],
+                  "chief": [net.add_host("coord", sim.host_cpu,
+                                         sim.link_rate)
+                            for _ in range(counts["chief"])]}
         addresses = {job: [f"{h.address}:{PORT}" for h in hosts]
                      for job, hosts in placed.items()}
         peer_tasks = peers.tasks(kind, config, s.out, name, addresses)
