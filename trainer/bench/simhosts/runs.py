@@ -216,6 +216,6 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                                     for h in hosts], placed["worker"])
             run = runs_lib.finish_peer(
                 kind, workers, name, label, peer_tasks, children, s.timeout,
-                num_ps, watches)
+                counts["ps"], watches)
             run.extra.update(watches.throttled())
             return run
