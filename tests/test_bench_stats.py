@@ -12,7 +12,7 @@ from tests import helpers
 from trainer.bench import replot, report, runs, slurm_steps
 from trainer.bench import rows as rows_lib
 from trainer.common.config import TrainConfig
-from trainer.observe import progress, provenance
+from trainer.observe import provenance, results
 
 PROVENANCE_KEYS = {"python", "tensorflow", "numpy", "cpu_model", "cpu_count",
                    "cpu_usable", "host", "commit", "dirty",
@@ -59,9 +59,9 @@ def test_provenance_is_in_every_results_file():
     assert set(origin) == PROVENANCE_KEYS
     assert origin["tensorflow"] and origin["numpy"] and origin["cpu_count"]
     assert origin["commit"] is None or len(origin["commit"]) == 40
-    outcome = progress.Outcome(history=[], train_secs=1.0, timed_steps=10,
+    outcome = results.Outcome(history=[], train_secs=1.0, timed_steps=10,
                                dropped=0)
-    fields = progress.results_fields(outcome, TrainConfig(logdir="x"), 10)
+    fields = results.results_fields(outcome, TrainConfig(logdir="x"), 10)
     assert fields["provenance"] == origin
     line = replot.describe(origin)
     assert f"TensorFlow {origin['tensorflow']}" in line

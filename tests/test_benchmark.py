@@ -19,7 +19,7 @@ from trainer.bench import rows as rows_lib
 from trainer.bench.simhosts import bound
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import TrainConfig
-from trainer.observe import progress
+from trainer.observe import progress_line
 
 pytestmark = pytest.mark.cluster
 RUNS = ["ps_1w", "ps_2w", "single_1t", "single_2t", "mwms_1w", "mwms_2w"]
@@ -276,8 +276,8 @@ def test_the_straggler_is_cut_once_when_training_runs():
     watch = simulated.Straggler(host, 0.3)
     watch("I1123 step 0 ...: starting")
     assert host.cuts == []
-    watch(f"I1123 progress.py:132] {progress.FIRST_STEP_DONE} in 3.1 s")
-    watch(f"I1123 progress.py:132] {progress.FIRST_STEP_DONE} in 3.1 s")
+    watch(f"I1123 progress.py:132] {progress_line.FIRST_STEP_DONE} in 3.1 s")
+    watch(f"I1123 progress.py:132] {progress_line.FIRST_STEP_DONE} in 3.1 s")
     assert host.cuts == [pytest.approx(0.03)]
 
 

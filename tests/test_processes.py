@@ -15,6 +15,7 @@ import pytest
 from trainer.common import processes
 from trainer.common.config import TrainConfig
 from trainer.observe import progress
+from trainer.observe import progress_line
 
 
 def python(code: str, **kwargs) -> processes.Child:
@@ -126,7 +127,7 @@ def written_progress_line(caplog, monkeypatch) -> str:
 
 
 def test_the_progress_line_parses_back(caplog, monkeypatch):
-    figures = progress.parse_progress_line(
+    figures = progress_line.parse_progress_line(
         written_progress_line(caplog, monkeypatch))
     assert figures["step"] == 150 and figures["train_steps"] == 1000
     assert figures["loss"] == pytest.approx(0.25)
@@ -144,4 +145,4 @@ def test_the_progress_line_parses_back(caplog, monkeypatch):
     "first step done in 1.2 s (waiting for the workers, warming up)",
     ""])
 def test_other_lines_are_not_progress(line):
-    assert progress.parse_progress_line(line) is None
+    assert progress_line.parse_progress_line(line) is None

@@ -23,7 +23,7 @@ from tests import slurm_harness
 from tests import slurm_nodes
 from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.common.errors import UserError
-from trainer.observe import progress
+from trainer.observe import progress_line
 
 pytestmark = [pytest.mark.cluster, pytest.mark.hosts]
 
@@ -290,7 +290,7 @@ def test_lost_node_with_no_kill_completes(nodes, tmp_path):
 
     def chief_step() -> int:
         text = out_file.read_text() if out_file.exists() else ""
-        steps = [progress.parse_progress_line(line) for line in
+        steps = [progress_line.parse_progress_line(line) for line in
                  labelled(text, 1)]
         return max([s["step"] for s in steps if s] or [0])
 

@@ -28,7 +28,7 @@ from absl import logging
 from trainer import flags as trainer_flags
 from trainer.bench import report as bench_report
 from trainer.common import processes
-from trainer.observe import progress
+from trainer.observe import progress_line
 
 trainer_flags.define_local_cluster_flags(num_workers=4)
 trainer_flags.define_isolate_flag()
@@ -80,7 +80,7 @@ class Sampler:
         if started:
             with self.lock:
                 self.pids[started.group(1)] = int(started.group(2))
-        figures = (progress.parse_progress_line(line)
+        figures = (progress_line.parse_progress_line(line)
                    if line.startswith(_CHIEF) else None)
         if figures:
             self.step = figures["step"]

@@ -18,7 +18,7 @@ from trainer.cluster import local as launcher
 from trainer.common import processes
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
-from trainer.observe import progress
+from trainer.observe import progress_line
 
 # Seconds a run's processes get to exit after SIGTERM before SIGKILL.
 STOP_GRACE_SECS = 10.0
@@ -108,7 +108,7 @@ class _RunWatch:
         self.tail.append(line.rstrip())
         if self.watch is not None:
             self.watch(line)
-        figures = progress.parse_progress_line(line)
+        figures = progress_line.parse_progress_line(line)
         if figures:
             logging.info("%s: step %d/%d, ETA %s", self.label,
                          figures["step"], figures["train_steps"],

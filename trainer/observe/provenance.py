@@ -1,7 +1,7 @@
 """Where a result came from: software versions, machine, checkout and
 simulated-host settings, as one JSON-ready dict.
 
-Every results.json gets it (progress.results_fields) and so does the
+Every results.json gets it (results.results_fields) and so does the
 benchmark's results.json. Nothing here imports TensorFlow: versions come
 from the installed packages' metadata.
 """

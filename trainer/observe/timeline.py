@@ -33,7 +33,7 @@ import re
 
 from absl import logging
 
-from trainer.observe import progress
+from trainer.observe import results
 from trainer.common.errors import UserError
 
 CATEGORIES = ("compute", "aggregate_apply", "pull_params", "push_grads",
@@ -329,7 +329,7 @@ def write_chrome_trace(path: str, run_metadatas: list,
             for name, pid in pids.items()]
     meta += [_meta(0, 0, "thread_name", name="breakdown")] + _assign_rows(ops)
     # Compact (no indent): a trace holds tens of thousands of events.
-    progress.write_json(path, {"traceEvents": meta + marks + ops,
+    results.write_json(path, {"traceEvents": meta + marks + ops,
                                "displayTimeUnit": "ms"}, indent=None)
     logging.info("Wrote the trace of %d step(s) on %d device(s) to %s",
                  len(steps), len(devices), path)

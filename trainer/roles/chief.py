@@ -12,6 +12,8 @@ import tensorflow as tf
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
 from trainer.observe import progress
+from trainer.observe import results as results_lib
+from trainer.observe import summaries
 from trainer.observe import tracing
 from trainer.roles import membership
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
@@ -46,7 +48,7 @@ class Chief(WorkerRole):
         self.session.run(ops.mark_ready_op)
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
-        writer = progress.summary_writer(str(logdir), self.g.graph)
+        writer = summaries.summary_writer(str(logdir), self.g.graph)
         with self._membership_watch(logdir, writer) as watch:
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
@@ -250,7 +252,7 @@ class Chief(WorkerRole):
         return reports
 
     def _write_results(self, logdir: pathlib.Path, steps_trained: int,
-                       outcome: progress.Outcome, counted: np.ndarray,
+                       outcome: results_lib.Outcome, counted: np.ndarray,
                        pushed: dict, step_breakdown: dict | None,
                        records: list) -> None:
         """results.json. averaged_steps: the applied steps of this launch
@@ -260,7 +262,7 @@ class Chief(WorkerRole):
         and redone ones included); membership: every roster change."""
         config, cluster = self.config, self.task.cluster
         results = {
-            **progress.results_fields(outcome, config, self.train_steps),
+            **results_lib.results_fields(outcome, config, self.train_steps),
             "global_step": self.train_steps,
             "steps_this_run": steps_trained,
             "num_workers": cluster.num_workers,
@@ -282,7 +284,7 @@ class Chief(WorkerRole):
         }
         if step_breakdown:
             results["step_breakdown"] = step_breakdown
-        progress.write_json(logdir / RESULTS_FILE, results)
+        results_lib.write_json(logdir / RESULTS_FILE, results)
         logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
                      100 * results["final_test_accuracy"], self.train_steps,
                      logdir / RESULTS_FILE)

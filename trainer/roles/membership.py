@@ -32,7 +32,7 @@ from absl import logging
 import numpy as np
 
 from trainer.cluster.spec import split_address
-from trainer.observe import progress
+from trainer.observe import summaries
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
@@ -104,7 +104,7 @@ class MembershipWatch:
                      why, carry, self._config.batch_size)
         self.records.append({"step": step, "event": event, "worker": worker,
                              "workers": count})
-        progress.write_scalars(self._writer, step,
+        summaries.write_scalars(self._writer, step,
                                {"membership/workers": count})
 
     def _watch(self) -> None:
@@ -179,7 +179,7 @@ class MembershipWatch:
         if self._writer is None or state.step // every == logged_step // every:
             return logged_step
         sizes = state.slices[:, 1] - state.slices[:, 0]
-        progress.write_scalars(self._writer, state.step, {
+        summaries.write_scalars(self._writer, state.step, {
             f"membership/slice_{k}": int(size) * float(state.planned[k] > 0.5)
             for k, size in enumerate(sizes)})
         return state.step

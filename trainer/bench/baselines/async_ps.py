@@ -48,6 +48,7 @@ from trainer.learning import optim
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.observe import progress
+from trainer.observe import summaries
 
 
 def extra_columns(leader: dict, outputs: dict, tasks: list) -> dict:
@@ -178,7 +179,7 @@ def _coordinate(config, out_path, strategy, num_workers: int,
         return stats, step, first_row
 
     evaluate = common.test_set_evaluator(mnist, logits_of)
-    writer = progress.summary_writer(config.logdir)
+    writer = summaries.summary_writer(config.logdir)
     trained = set()  # (step, first row) of every slice trained
 
     def run_steps(start: int, count: int) -> dict:

@@ -11,7 +11,7 @@ from trainer.learning import batches
 from trainer.learning import data as data_lib
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
-from trainer.observe import progress
+from trainer.observe import results
 
 
 def load(config: TrainConfig, need_test: bool):
@@ -23,9 +23,9 @@ def load(config: TrainConfig, need_test: bool):
 
 
 def write_results(path: str, config: TrainConfig, train_steps: int,
-                  outcome: progress.Outcome, **extra) -> None:
-    progress.write_json(pathlib.Path(path), {
-        **progress.results_fields(outcome, config, train_steps), **extra})
+                  outcome: results.Outcome, **extra) -> None:
+    results.write_json(pathlib.Path(path), {
+        **results.results_fields(outcome, config, train_steps), **extra})
 
 
 def initial_parameters(layout: params_lib.FlatLayout) -> np.ndarray:

@@ -20,6 +20,7 @@ from trainer.learning import optim
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.observe import progress
+from trainer.observe import summaries
 
 PEER = peer.Peer(
     name="mwms", order=1, label="MWMS, {} worker(s)",
@@ -98,7 +99,7 @@ def run_mwms_worker(config: TrainConfig, out_path: str, index: int,
     run_steps = common.eager_step_runner(train_step, order, config.seed,
                                    steps_per_epoch)
     evaluate = common.test_set_evaluator(mnist, logits_of) if is_chief else None
-    writer = progress.summary_writer(config.logdir) if is_chief else None
+    writer = summaries.summary_writer(config.logdir) if is_chief else None
     outcome = progress.drive(run_steps, evaluate, None, config, 0,
                              train_steps, writer)
     if writer:

@@ -23,6 +23,7 @@ from trainer.learning import optim
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.observe import progress
+from trainer.observe import summaries
 
 
 @dataclasses.dataclass
@@ -97,7 +98,7 @@ def run_single_process(config: TrainConfig, out_path: str) -> None:
     g.testset_init(session, mnist.test_images, mnist.test_labels)
     session.run(g.init_op)
     loop = make_callable(session, g.loop_outputs, [g.start_step, g.num_steps])
-    writer = progress.summary_writer(config.logdir, g.graph)
+    writer = summaries.summary_writer(config.logdir, g.graph)
     outcome = progress.drive(loop, make_callable(session, g.eval_outputs),
                              None, config, 0, train_steps, writer)
     writer.close()

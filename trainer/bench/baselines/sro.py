@@ -35,6 +35,7 @@ from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.learning.data import IMAGE_SIZE
 from trainer.observe import progress
+from trainer.observe import results
 
 
 
@@ -134,7 +135,7 @@ def _report_pushes(out_path: str, index: int,
 
     def loop():
         while not done.is_set():
-            progress.write_json(out_path, {"worker": index,
+            results.write_json(out_path, {"worker": index,
                                            "pushed_gradients": state["local"]})
             done.wait(0.5)
 
@@ -171,7 +172,7 @@ def _run_worker(config, out_path, server, cluster, index) -> None:
         common.write_results(out_path, config, train_steps, outcome,
                              **fields)
     else:  # the last token came after all: the final count
-        progress.write_json(out_path, fields)
+        results.write_json(out_path, fields)
     logging.info("worker %d pushed %d gradients", index, pushed)
 
 

@@ -19,7 +19,7 @@ from trainer.bench import peers
 from trainer.bench import runs as runs_lib
 from trainer.common import processes
 from trainer.common.errors import RunFailed
-from trainer.observe import progress
+from trainer.observe import progress_line
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 PORT = 2222  # every host has its own network namespace, so one port fits
@@ -53,7 +53,7 @@ class Straggler:
         self.host, self.cores, self.done = host, cores, False
 
     def __call__(self, line: str) -> None:
-        if not self.done and progress.FIRST_STEP_DONE in line:
+        if not self.done and progress_line.FIRST_STEP_DONE in line:
             self.host.set_cpu(self.cores / 10)
             self.done = True
             logging.info("straggler: host %s cut to %.3f cores",
@@ -75,7 +75,7 @@ class Watches:
     def __call__(self, line: str) -> None:
         if self.straggler is not None:
             self.straggler(line)
-        if self.start is None and progress.FIRST_STEP_DONE in line:
+        if self.start is None and progress_line.FIRST_STEP_DONE in line:
             self.start = {h.name: h.cpu_stat() for h in self.hosts}
 
     def throttled(self) -> dict:
