@@ -113,6 +113,8 @@ def check_tensorboard_shows(out, work, rows) -> None:
      "--batch_size=3 is smaller than the 4 workers"),
     (lambda out: ["--workers=1,two"], "--workers=1,two must be"),
     (lambda out: ["--baselines=single,horovod"], "unknown horovod"),
+    (lambda out: ["--hosts=simulated", "--host_cpu_period_ms=0.5"],
+     "bad CPU budget period 0.5 ms"),
     # A used --out holds final checkpoints the runs would resume from.
     (lambda out: (out.mkdir(), (out / "ps_1w").mkdir(), [])[-1],
      "already holds a benchmark"),

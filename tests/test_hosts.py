@@ -153,6 +153,21 @@ def test_cpu_budget_holds_and_changes(available):
     assert 0.05 <= second <= 0.15, second
 
 
+def test_a_shorter_cpu_period_keeps_the_budget(available):
+    """--host_cpu_period_ms: the same share of each (shorter) period; a
+    quota that would fall under the kernel's 1 ms gets a longer period."""
+    with hosts.SimulatedHosts(cpu_period_us=10000) as sim:
+        host = sim.add_host("busy", cpu=0.3)
+
+        def limits():
+            return tuple(int(pathlib.Path(host.cgroup, f"cpu.cfs_{n}_us")
+                             .read_text()) for n in ("quota", "period"))
+
+        assert limits() == (3000, 10000)
+        host.set_cpu(0.03)
+        assert limits() == (1000, 33334)
+
+
 def _throughput_mbit(sender, receiver, port, secs=1.5) -> float:
     sink = run_script(receiver, SINK, port)
     assert read_line(sink) == "listening"

@@ -11,6 +11,7 @@ from trainer import flags as trainer_flags
 from trainer.bench import peers
 from trainer.bench import slurm_steps
 from trainer.bench.simhosts import hosts as hosts_lib
+from trainer.bench.simhosts import limits
 from trainer.bench.simhosts import runs as simulated
 from trainer.common.config import validate
 from trainer.common.errors import UserError
@@ -56,12 +57,13 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
                         f"worker k: --num_ps={FLAGS.num_ps} needs at least "
                         f"that many workers in every run of --workers")
     hosts_lib.parse_rate(FLAGS.link_rate)
+    limits.check_period_ms(FLAGS.host_cpu_period_ms)
     cpus = _host_cpus(max(worker_counts))
     hosts_lib.check_available()
     return worker_counts, simulated.HostSettings(
         cpus[0], FLAGS.ps_cpu or cpus[0], FLAGS.link_rate,
         FLAGS.ps_placement, FLAGS.straggler,
-        tuple(cpus) if len(cpus) > 1 else ())
+        tuple(cpus) if len(cpus) > 1 else (), FLAGS.host_cpu_period_ms)
 
 
 def _host_cpus(most_workers: int) -> list[float]:

@@ -92,7 +92,8 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
         row.update(host_cpu=(",".join(f"{c:g}" for c in
                                       s.sim.worker_cpus[:run.workers])
                              if s.sim.worker_cpus else s.sim.host_cpu),
-                   ps_cpu=s.sim.ps_cpu, link_rate=s.sim.link_rate)
+                   ps_cpu=s.sim.ps_cpu, link_rate=s.sim.link_rate,
+                   cpu_period_ms=s.sim.cpu_period_ms)
         if run.kind == "mwms":
             row["ring_bound_ms"] = bound_lib.ring_bound_ms(
                 s.config, run.workers, s.sim.link_rate_bps)

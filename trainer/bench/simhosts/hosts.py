@@ -33,7 +33,7 @@ from absl import logging
 from trainer.common import processes
 from trainer.common.errors import RunFailed, UserError
 from trainer.bench.simhosts.limits import (  # noqa: F401 (parse_rate: public here)
-    check_cpu, cfs_period_us, parse_rate, tbf_args)
+    CFS_PERIOD_US, check_cpu, cfs_period_us, parse_rate, tbf_args)
 
 CPU_CGROUP = "/sys/fs/cgroup/cpu"
 SUBNET = "198.18.0"  # hosts get .1, .2, ... of 198.18.0.0/24
@@ -230,7 +230,8 @@ class Host:
     def set_cpu(self, cores) -> None:
         """Changes the CPU budget (cores; None: unlimited), at any time."""
         cores = check_cpu(cores)
-        period = cfs_period_us(cores)
+        period = cfs_period_us(cores, self._owner.cpu_period_us
+                               if self._owner else CFS_PERIOD_US)
         quota = -1 if cores is None else int(round(cores * period))
         for name, value in (("period", period), ("quota", quota)):
             pathlib.Path(self.cgroup, f"cpu.cfs_{name}_us").write_text(
@@ -256,8 +257,12 @@ class Host:
 class SimulatedHosts:
     """Simulated hosts on one bridge; a context manager that removes them."""
 
-    def __init__(self, tag: str | None = None, grace_secs: float = 5.0):
+    def __init__(self, tag: str | None = None, grace_secs: float = 5.0,
+                 cpu_period_us: int = CFS_PERIOD_US):
+        """cpu_period_us: the CFS period every host's budget is enforced
+        over (limits.py)."""
         check_available()
+        self.cpu_period_us = cpu_period_us
         self.tag = _check_tag(tag or f"mps{secrets.token_hex(3)}")
         if leftovers(self.tag):
             raise UserError(f"simulated hosts tag {self.tag} is in use; pick "

@@ -52,11 +52,20 @@ def tbf_args(rate_bps: int) -> list[str]:
     return ["rate", f"{rate_bps}bit", "burst", str(burst), "limit", str(limit)]
 
 
-def cfs_period_us(cores) -> int:
-    """The CFS period for a budget of `cores` (see CFS_PERIOD_US)."""
+def cfs_period_us(cores, base_us: int = CFS_PERIOD_US) -> int:
+    """The CFS period for a budget of `cores`: base_us (see CFS_PERIOD_US),
+    longer where the quota would fall below the kernel's minimum."""
     if cores is None:
-        return CFS_PERIOD_US
-    return max(CFS_PERIOD_US, math.ceil(MIN_QUOTA_US / cores))
+        return base_us
+    return max(base_us, math.ceil(MIN_QUOTA_US / cores))
+
+
+def check_period_ms(period_ms) -> int:
+    """A CFS period in ms (1 to 1000, the kernel's range) -> microseconds."""
+    if not 1 <= period_ms <= 1000:
+        raise UserError(f"bad CPU budget period {period_ms!r} ms; give 1 to "
+                        "1000 (the kernel's default is 100)")
+    return int(round(period_ms * 1000))
 
 
 def check_cpu(cores):

@@ -35,6 +35,8 @@ class HostSettings:
     # One budget per worker host (--host_cpu=0.3,0.3,0.15,0.15); empty:
     # every worker host has host_cpu.
     worker_cpus: tuple = ()
+    # The CFS period the hosts' budgets are enforced over (limits.py).
+    cpu_period_ms: float = 100.0
 
     def worker_cpu(self, k: int) -> float:
         """Cores of worker k's host."""
@@ -122,7 +124,8 @@ def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
     sim: HostSettings = s.sim
     logdir = s.out / name
     threads = ["--intra_op_threads=1", "--inter_op_threads=1"]
-    with hosts_lib.SimulatedHosts() as net:
+    with hosts_lib.SimulatedHosts(
+            cpu_period_us=int(sim.cpu_period_ms * 1000)) as net:
         ps, wk, ps_addresses, worker_addresses = _place_ps_run(
             net, sim, s.num_ps, workers)
         env = processes.child_env(PS_HOSTS=",".join(ps_addresses),
@@ -166,7 +169,8 @@ def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
     """The single-process baseline on one host of the workers' budget."""
     config = runs_lib.write_config(s, name, intra_op_threads=threads)
     results = s.out / f"{name}.results.json"
-    with hosts_lib.SimulatedHosts() as net:
+    with hosts_lib.SimulatedHosts(
+            cpu_period_us=int(s.sim.cpu_period_ms * 1000)) as net:
         host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
         env = processes.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
         process = host.popen(
@@ -190,7 +194,8 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
     config = runs_lib.write_config(s, name, intra_op_threads=1,
                                    inter_op_threads=1)
     counts = peers.task_counts(kind, workers, s.num_ps)
-    with hosts_lib.SimulatedHosts() as net:
+    with hosts_lib.SimulatedHosts(
+            cpu_period_us=int(sim.cpu_period_ms * 1000)) as net:
         placed = {"worker": [net.add_host(f"w{k}", sim.worker_cpu(k),
                                           sim.link_rate)
                              for k in range(workers)],
