@@ -260,10 +260,9 @@ def _typed(name: str, kind: type, value):
     if not ok:
         raise UserError(f"hparam {name!r} must be of type "
                         f"{kind.__name__}, got {value!r}")
-    kinds = peers.all_kinds()
-    if name == "kind" and value not in kinds:
+    if name == "kind" and value not in peers.all_kinds():
         raise UserError(f"hparam 'kind' is {value!r}; use one of "
-                        f"{', '.join(kinds)}")
+                        f"{', '.join(peers.all_kinds())}")
     return kind(value)
 
 

@@ -35,10 +35,7 @@ def all_peers() -> dict[str, Peer]:
         declared = getattr(importlib.import_module(module_name), "PEER",
                            None)
         if declared is not None:
-            if declared.module != module_name:
-                raise RuntimeError(f"{module_name}: PEER.module is "
-                                   f"{declared.module!r}")
-            found.append(declared)
+            found.append(dataclasses.replace(declared, module=module_name))
     return {p.name: p for p in sorted(found, key=lambda p: p.order)}
 
 

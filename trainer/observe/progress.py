@@ -19,7 +19,6 @@ from absl import logging
 from trainer.learning import optim
 from trainer.common.config import TrainConfig
 from trainer.observe import progress_line
-from trainer.observe.progress_line import FIRST_STEP_DONE
 from trainer.observe.results import Outcome
 from trainer.observe.summaries import write_scalars
 
@@ -76,8 +75,9 @@ def drive(run_steps: Callable, evaluate: Callable | None,
         step += count
         outcome.dropped = int(out.get("dropped", 0))
         if warm_up:
-            logging.info(FIRST_STEP_DONE + " in %.1f s (waiting for the "
-                         "workers, warming up)", time.monotonic() - run_start)
+            logging.info("%s in %.1f s (waiting for the workers, warming "
+                         "up)", progress_line.FIRST_STEP_DONE,
+                         time.monotonic() - run_start)
             warm_up = False
             interval = _Interval(time.monotonic())
         else:

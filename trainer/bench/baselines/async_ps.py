@@ -64,8 +64,8 @@ PEER = peer.Peer(
     name="async", order=3,
     label="ParameterServerStrategy (async), {} worker(s)",
     help="async (ParameterServerStrategy, each update on the global batch)",
-    module="trainer.bench.baselines.async_ps", ps=True, coordinator=True,
-    ends_by_itself=False, extra_columns=extra_columns)
+    ps=True, coordinator=True, ends_by_itself=False,
+    extra_columns=extra_columns)
 
 
 def run_task(config: TrainConfig, out_path: str, job: str, index: int,

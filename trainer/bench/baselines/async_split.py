@@ -14,8 +14,7 @@ PEER = dataclasses.replace(
     label="ParameterServerStrategy (async, global batch / N per update), "
           "{} worker(s)",
     help="async_split (each update on global batch / N, N times as many "
-         "updates)",
-    module="trainer.bench.baselines.async_split")
+         "updates)")
 
 
 def run_task(config: TrainConfig, out_path: str, job: str, index: int,

@@ -24,8 +24,7 @@ from trainer.observe import summaries
 
 PEER = peer.Peer(
     name="mwms", order=1, label="MWMS, {} worker(s)",
-    help="mwms (MultiWorkerMirroredStrategy, ring all-reduce)",
-    module="trainer.bench.baselines.mwms")
+    help="mwms (MultiWorkerMirroredStrategy, ring all-reduce)")
 
 
 def run_task(config: TrainConfig, out_path: str, job: str, index: int,

@@ -37,7 +37,6 @@ class Peer:
     order: int           # its place in the benchmark's plan and tables
     label: str           # a run's label; "{}" gets the worker count
     help: str            # a phrase for --baselines' help
-    module: str          # the module to run: trainer.bench.baselines.<x>
     ps: bool = False     # it starts --num_ps ps tasks
     # A "chief" process (a coordinator) that leads; else worker 0 leads.
     coordinator: bool = False
@@ -48,6 +47,9 @@ class Peer:
     # (leader's results, {task name: results}, [PeerTask]) -> columns that
     # only this peer has; None for none.
     extra_columns: Optional[Callable] = None
+    # The module that declares it, set when the benchmark finds it
+    # (trainer/bench/peers.py): what `argv` runs.
+    module: str = ""
 
     def ps_tasks(self, num_ps: int) -> int:
         """ps tasks a run starts with --num_ps."""
@@ -67,11 +69,17 @@ def argv(peer: Peer, config_path: pathlib.Path, out_json: pathlib.Path,
             str(index), json.dumps(hosts, sort_keys=True)]
 
 
+def start_process(config_path: str) -> TrainConfig:
+    """A benchmark process's start: absl logging to stderr, and the
+    TrainConfig the benchmark wrote to config_path."""
+    logging.set_verbosity(logging.INFO)
+    logging.use_absl_handler()
+    return TrainConfig(**json.loads(pathlib.Path(config_path).read_text()))
+
+
 def main(peer: Peer, run_task: Callable, args: list[str] = None) -> int:
     """Runs the process that `argv` describes (sys.argv by default)."""
     config_path, out_path, job, index, hosts = (args or sys.argv)[1:6]
-    config = TrainConfig(**json.loads(pathlib.Path(config_path).read_text()))
-    logging.set_verbosity(logging.INFO)
-    logging.use_absl_handler()
-    run_task(config, out_path, job, int(index), json.loads(hosts))
+    run_task(start_process(config_path), out_path, job, int(index),
+             json.loads(hosts))
     return 0

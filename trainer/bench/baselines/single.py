@@ -8,14 +8,12 @@ cluster on one machine is held against.
 """
 
 import dataclasses
-import json
-import pathlib
 import sys
 
-from absl import logging
 import tensorflow as tf
 
 from trainer.bench.baselines import common
+from trainer.bench.baselines import peer
 from trainer.common.config import TrainConfig
 from trainer.common.tf_session import make_callable
 from trainer.learning import batches
@@ -107,10 +105,7 @@ def run_single_process(config: TrainConfig, out_path: str) -> None:
 
 def main(argv: list[str]) -> int:
     config_path, out_path = argv[1:3]
-    config = TrainConfig(**json.loads(pathlib.Path(config_path).read_text()))
-    logging.set_verbosity(logging.INFO)
-    logging.use_absl_handler()
-    run_single_process(config, out_path)
+    run_single_process(peer.start_process(config_path), out_path)
     return 0
 
 

@@ -38,8 +38,6 @@ from trainer.observe import progress
 from trainer.observe import results
 
 
-
-
 def extra_columns(leader: dict, outputs: dict, tasks: list) -> dict:
     """How many gradients each worker pushed: "index:count;..."."""
     del leader
@@ -52,9 +50,8 @@ def extra_columns(leader: dict, outputs: dict, tasks: list) -> dict:
 # token never comes never ends: the benchmark ends them.
 PEER = peer.Peer(
     name="sro", order=2, label="SyncReplicasOptimizer recipe, {} worker(s)",
-    help="sro (the SyncReplicasOptimizer recipe)",
-    module="trainer.bench.baselines.sro", ps=True, ends_by_itself=False,
-    extra_columns=extra_columns)
+    help="sro (the SyncReplicasOptimizer recipe)", ps=True,
+    ends_by_itself=False, extra_columns=extra_columns)
 
 
 def run_task(config: TrainConfig, out_path: str, job: str, index: int,
@@ -136,7 +133,7 @@ def _report_pushes(out_path: str, index: int,
     def loop():
         while not done.is_set():
             results.write_json(out_path, {"worker": index,
-                                           "pushed_gradients": state["local"]})
+                                          "pushed_gradients": state["local"]})
             done.wait(0.5)
 
     threading.Thread(target=loop, daemon=True, name="report").start()

@@ -96,6 +96,11 @@ def ps_link_bound_ms(config, num_ps: int, workers: int, rate_bps: int,
         values = workers * max(sizes) + sum(sizes)
     else:
         values = _colocated_values(sizes, workers)
+    return _link_ms(config, values, rate_bps)
+
+
+def _link_ms(config, values: int, rate_bps: int) -> float:
+    """ms for `values` parameters or gradients on a link of rate_bps."""
     return 1000.0 * values * wire_bytes_per_float(config) * 8 / rate_bps
 
 
@@ -104,12 +109,10 @@ def pipelined_bound_ms(config, num_ps: int, workers: int, rate_bps: int,
     """The busiest link direction's bytes per step over its rate, in ms
     (module docstring): max(N x S, P) x W x 8 / R with ps hosts of their
     own, the sequential bound colocated."""
+    if placement != "separate":
+        return ps_link_bound_ms(config, num_ps, workers, rate_bps, placement)
     sizes = _shard_sizes(config, num_ps)
-    if placement == "separate":
-        values = max(workers * max(sizes), sum(sizes))
-    else:
-        values = _colocated_values(sizes, workers)
-    return 1000.0 * values * wire_bytes_per_float(config) * 8 / rate_bps
+    return _link_ms(config, max(workers * max(sizes), sum(sizes)), rate_bps)
 
 
 def ring_bound_ms(config, workers: int, rate_bps: int) -> float:

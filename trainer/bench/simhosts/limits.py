@@ -60,12 +60,12 @@ def cfs_period_us(cores, base_us: int = CFS_PERIOD_US) -> int:
     return max(base_us, math.ceil(MIN_QUOTA_US / cores))
 
 
-def check_period_ms(period_ms) -> int:
-    """A CFS period in ms (1 to 1000, the kernel's range) -> microseconds."""
+def check_period_ms(period_ms) -> None:
+    """UserError unless a CFS period in ms is in the kernel's range, 1 to
+    1000."""
     if not 1 <= period_ms <= 1000:
         raise UserError(f"bad CPU budget period {period_ms!r} ms; give 1 to "
                         "1000 (the kernel's default is 100)")
-    return int(round(period_ms * 1000))
 
 
 def check_cpu(cores):

@@ -38,6 +38,10 @@ class HostSettings:
     # The CFS period the hosts' budgets are enforced over (limits.py).
     cpu_period_ms: float = 100.0
 
+    @property
+    def cpu_period_us(self) -> int:
+        return int(round(self.cpu_period_ms * 1000))
+
     def worker_cpu(self, k: int) -> float:
         """Cores of worker k's host."""
         return self.worker_cpus[k] if self.worker_cpus else self.host_cpu
@@ -125,7 +129,7 @@ def run_ps_on_hosts(s: runs_lib.Settings, workers: int, name: str,
     logdir = s.out / name
     threads = ["--intra_op_threads=1", "--inter_op_threads=1"]
     with hosts_lib.SimulatedHosts(
-            cpu_period_us=int(sim.cpu_period_ms * 1000)) as net:
+            cpu_period_us=sim.cpu_period_us) as net:
         ps, wk, ps_addresses, worker_addresses = _place_ps_run(
             net, sim, s.num_ps, workers)
         env = processes.child_env(PS_HOSTS=",".join(ps_addresses),
@@ -170,7 +174,7 @@ def run_single_on_host(s: runs_lib.Settings, threads: int, name: str,
     config = runs_lib.write_config(s, name, intra_op_threads=threads)
     results = s.out / f"{name}.results.json"
     with hosts_lib.SimulatedHosts(
-            cpu_period_us=int(s.sim.cpu_period_ms * 1000)) as net:
+            cpu_period_us=s.sim.cpu_period_us) as net:
         host = net.add_host("single", s.sim.host_cpu, s.sim.link_rate)
         env = processes.child_env(TF_NUM_INTRAOP_THREADS=str(threads))
         process = host.popen(
@@ -195,7 +199,7 @@ def run_peer_on_hosts(s: runs_lib.Settings, workers: int, name: str,
                                    inter_op_threads=1)
     counts = peers.task_counts(kind, workers, s.num_ps)
     with hosts_lib.SimulatedHosts(
-            cpu_period_us=int(sim.cpu_period_ms * 1000)) as net:
+            cpu_period_us=sim.cpu_period_us) as net:
         placed = {"worker": [net.add_host(f"w{k}", sim.worker_cpu(k),
                                           sim.link_rate)
                              for k in range(workers)],
