@@ -91,3 +91,50 @@ def test_an_unknown_slicing_is_refused():
     with pytest.raises(UserError, match="--slices=fast is unknown; choose "
                        "one of balanced, equal"):
         config_lib.validate(config, num_workers=2)
+
+
+
+def graph_prefer(base, new, weight, gain):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        return session.run(slices.prefer(
+            tf.constant(base, tf.int64), tf.constant(new, tf.int64),
+            tf.constant(weight, tf.float32), gain))
+
+
+def test_equal_slices_stay_until_the_speeds_predict_a_clear_gain():
+    equal = slices.bounds_np([1.0, 1.0, 1.0, 0.0], 128)    # 43, 43, 42
+    # Noise of ten percent in equal hosts' speeds: equal slices.
+    weight = np.float32([1.1, 0.95, 1.0, 0.0])
+    balanced = slices.bounds_np(weight, 128)
+    assert not np.array_equal(balanced, equal)
+    for cut in (graph_prefer(equal, balanced, weight, 0.2),
+                slices.prefer_np(equal, balanced, weight, 0.2)):
+        np.testing.assert_array_equal(cut, equal)
+    # A host at half speed: balanced slices end the round far sooner.
+    weight = np.float32([1.0, 0.5, 1.0, 0.0])
+    balanced = slices.bounds_np(weight, 128)
+    for cut in (graph_prefer(equal, balanced, weight, 0.2),
+                slices.prefer_np(equal, balanced, weight, 0.2)):
+        np.testing.assert_array_equal(cut, balanced)
+
+
+def test_a_member_under_a_quarter_of_the_others_speed_sits_out():
+    def laggards(secs, speed, roster):
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            return session.run(slices.laggards(
+                tf.constant(secs, tf.float32), tf.constant(speed, tf.float32),
+                tf.constant(roster, tf.float32), 2.0, 0.25)).tolist()
+
+    # Worker 3's probe took no longer than the others' pieces, but at an
+    # eighth of their speed: out. Half their speed: in. Unmeasured: in.
+    assert laggards([0.04, 0.04, 0.04, 0.04], [1200, 1200, 1200, 150],
+                    [1, 1, 1, 1]) == [False, False, False, True]
+    assert laggards([0.04, 0.04, 0.04, 0.04], [1200, 1200, 600, 600],
+                    [1, 1, 1, 1]) == [False, False, False, False]
+    assert laggards([0.04, 0.04, 0.0, 0.0], [1200, 1200, 0, 0],
+                    [1, 1, 1, 1]) == [False, False, False, False]
+    # Time still decides as before; the chief never sits out.
+    assert laggards([0.3, 0.04, 0.04], [100, 1200, 1200],
+                    [1, 1, 1]) == [False, False, False]
+    assert laggards([0.04, 0.04, 0.3], [1200, 1200, 1100],
+                    [1, 1, 1]) == [False, False, True]
