@@ -46,7 +46,7 @@ from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 # How much of a worker's measured speed, which sizes its slice, carries
 # over to the next round; and of its piece time, which benches a laggard
 # (that must react within a few rounds).
-SPEED_MEMORY, SECS_MEMORY = 0.7, 0.7
+SPEED_MEMORY, SECS_MEMORY = 0.9, 0.7
 # Balanced slices are cut only where the speeds predict rounds at least
 # this much shorter than with equal slices (slices.prefer).
 BALANCE_GAIN = 0.2
