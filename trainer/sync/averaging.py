@@ -43,19 +43,13 @@ from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
 from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 
-# How much of a worker's measured speed, which sizes its slice, carries
-# over to the next round; and of its piece time, which benches a laggard
-# (that must react within a few rounds).
-SPEED_MEMORY, SECS_MEMORY = 0.9, 0.7
-# Balanced slices are cut only where the speeds predict rounds at least
-# this much shorter than with equal slices (slices.prefer).
-BALANCE_GAIN = 0.2
+# How much of a worker's measured speed carries over to the next round.
+SPEED_MEMORY = 0.7
 # A member whose pieces take this many times as long as every other
 # member's, even with its balanced slice, sits rounds out: its fixed cost
 # per round, not its share, would hold every step. Every PROBE_EVERY
-# steps it gets a probe, a piece that is timed but not waited for. So
-# does a member under MIN_SHARE of the others' mean speed.
-BENCH_FACTOR, MIN_SHARE, PROBE_EVERY = 2.0, 0.25, 20
+# steps it gets a probe, a piece that is timed but not waited for.
+BENCH_FACTOR, PROBE_EVERY = 2.0, 20
 
 
 @dataclasses.dataclass
@@ -85,11 +79,9 @@ class Averaging:
             roster, speed = s.roster.read_value(), s.speed.read_value()
             out = self._laggards(roster)
             members = tf.where(out, 0.0, roster)
-            weight = slices_lib.weights(speed, members, self.slices)
-            cut = slices_lib.prefer(
-                slices_lib.bounds(members, self.global_batch),
-                slices_lib.bounds(weight, self.global_batch), weight,
-                BALANCE_GAIN)
+            cut = slices_lib.bounds(
+                slices_lib.weights(speed, members, self.slices),
+                self.global_batch)
             # A laggard with no piece outstanding gets, every PROBE_EVERY
             # steps, the slice it would have: its time is measured, its
             # gradient is not waited for (trainer/sync/slices.py).
@@ -120,10 +112,8 @@ class Averaging:
         only; slices.laggards)."""
         if self.slices != slices_lib.BALANCED:
             return tf.zeros_like(roster, tf.bool)
-        s = self.shared
-        return slices_lib.laggards(s.round_secs.read_value(),
-                                   s.speed.read_value(), roster,
-                                   BENCH_FACTOR, MIN_SHARE)
+        return slices_lib.laggards(self.shared.round_secs.read_value(),
+                                   roster, BENCH_FACTOR)
 
     def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
         """Token (step, round, cut) into worker k's queue if `given` (bool
@@ -228,13 +218,12 @@ class Averaging:
         measured = (s.stats.read_value()[worker][0]
                     / tf.maximum(elapsed, 1e-6))
 
-        def averaged(old, new, memory):
-            return tf.where(old > 0, memory * old + (1 - memory) * new, new)
+        def averaged(old, new):
+            return tf.where(old > 0, SPEED_MEMORY * old
+                            + (1 - SPEED_MEMORY) * new, new)
 
-        return (timed, averaged(s.speed.read_value()[worker], measured,
-                                SPEED_MEMORY),
-                averaged(s.round_secs.read_value()[worker], elapsed,
-                         SECS_MEMORY))
+        return (timed, averaged(s.speed.read_value()[worker], measured),
+                averaged(s.round_secs.read_value()[worker], elapsed))
 
     def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
         """After a round that lost a member: lets through every pull that

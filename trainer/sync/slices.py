@@ -38,35 +38,23 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
                     tf.zeros_like(speed))
 
 
-def laggards(round_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
-             factor: float, min_share: float) -> tf.Tensor:
+def laggards(round_secs: tf.Tensor, roster: tf.Tensor,
+             factor: float) -> tf.Tensor:
     """bool [N]: members other than the chief whose recent pieces took
-    over `factor` times as long as every other member's, or whose speed
-    is under `min_share` of the other members' mean (round_secs, speed:
+    over `factor` times as long as every other member's (round_secs:
     float32 [N], 0 until measured; roster: float32 [N], 1 = in).
 
     Balanced slices equalize the members' times, so a member still far
     behind is bound by its fixed cost per piece (pulling, pushing, a
     starved host), not by its share: giving it fewer examples cannot
-    help, and leaving it out of the round can. A member that slow gets a
-    slice so small that its time says little (a probe of 5 examples can
-    take as long as the others' 43), so its speed decides too.
+    help, and leaving it out of the round can.
     """
-    inside = roster > 0.5
-    secs = tf.where(inside, round_secs, 0.0)
+    secs = tf.where(roster > 0.5, round_secs, 0.0)
     top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])
     slow = tf.logical_and(secs > factor * others, others > 0)
-    measured = tf.logical_and(inside, speed > 0)
-    count = tf.reduce_sum(tf.cast(measured, tf.float32))
-    total = tf.reduce_sum(tf.where(measured, speed, 0.0))
-    own = tf.where(measured, speed, 0.0)
-    mean_others = tf.math.divide_no_nan(total - own,
-                                        count - tf.cast(measured, tf.float32))
-    weak = tf.logical_and(measured, own < min_share * mean_others)
-    return tf.logical_and(tf.logical_or(slow, weak),
-                          tf.range(tf.size(secs)) > 0)
+    return tf.logical_and(slow, tf.range(tf.size(secs)) > 0)
 
 
 def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
@@ -98,39 +86,6 @@ def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
                                           member), tf.int64)
     ends = tf.cumsum(sizes)
     return tf.stack([ends - sizes, ends], axis=1)
-
-
-def prefer(base: tf.Tensor, new: tf.Tensor, weight: tf.Tensor,
-           gain: float) -> tf.Tensor:
-    """`base` (int64 [N, 2], a cut of the same members, e.g. the equal
-    one) unless the speeds `weight` (float32 [N]) predict that `new` ends
-    the round at least `gain` (0.2: 20%) sooner; else `new`.
-
-    A piece's measured time is noisy (a host's CPU comes in bursts), so
-    balanced slices that followed every measurement moved examples back
-    and forth between equal hosts (31 to 53 of 128 among three), and each
-    round waited for whichever member the noise had overloaded: equal
-    slices on three equal hosts ran 1.2x faster. Hosts of different speed
-    (2:1 predicts rounds 33% shorter) still get balanced slices.
-    """
-    def finish(cut):  # predicted time of the round's slowest member
-        sizes = tf.cast(cut[:, 1] - cut[:, 0], tf.float32)
-        return tf.reduce_max(tf.math.divide_no_nan(sizes, weight))
-
-    keep = finish(base) <= (1 + gain) * finish(new)
-    return tf.where(keep, base, new)
-
-
-def prefer_np(base, new, weight, gain: float) -> np.ndarray:
-    """`prefer` in NumPy (int64 [N, 2]), for tests and docs."""
-    base, new = np.asarray(base), np.asarray(new)
-    weight = np.asarray(weight, np.float32)
-
-    def finish(cut):
-        sizes = (cut[:, 1] - cut[:, 0]).astype(np.float32)
-        return max(s / w for s, w in zip(sizes, weight) if w > 0)
-
-    return base if finish(base) <= (1 + gain) * finish(new) else new
 
 
 def bounds_np(weight, global_batch: int) -> np.ndarray:
