@@ -189,16 +189,16 @@ def _prediction_row(model: Model, ref: Point, workers: int, per_8: int
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m trainer.bench.stepmodel OUT [OUT ...] "
-              "(benchmark folders)", file=sys.stderr)
+        sys.stderr.write("usage: python -m trainer.bench.stepmodel OUT "
+                         "[OUT ...] (benchmark folders)\n")
         return 2
     try:
         points = load_points(argv)
         model = fit(points)
     except ModelError as e:
-        print(f"stepmodel: {e}", file=sys.stderr)
+        sys.stderr.write(f"stepmodel: {e}\n")
         return 2
-    print("\n".join(report(points, model)))
+    sys.stdout.write("\n".join(report(points, model)) + "\n")
     return 0
 
 
