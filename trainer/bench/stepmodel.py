@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from trainer.common.config import TrainConfig
+from trainer.common.errors import UserError
 from trainer.bench.simhosts import bound as bound_lib
 from trainer.bench.simhosts.limits import parse_rate
 
@@ -38,10 +39,6 @@ SHARED_TERMS = ("b: x link bound", "c: ms x core per worker on ps 0",
                 "d: ms fixed")
 PREDICT_WORKERS = (32, 64, 128)
 PS_PER_8 = (1, 4)
-
-
-class ModelError(Exception):
-    """Input the model cannot use: one line for the user."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +97,13 @@ def _cpu(value) -> float:
 
 def load_points(folders: list[str]) -> list[Point]:
     """The ps rows of the benchmark folders that ran on simulated hosts
-    without a straggler. Raises ModelError for a folder without
+    without a straggler. Raises UserError for a folder without
     results.json."""
     points = []
     for folder in map(pathlib.Path, folders):
         summary = folder / "results.json"
         if not summary.is_file():
-            raise ModelError(f"{folder}: no results.json; give folders "
+            raise UserError(f"{folder}: no results.json; give folders "
                              f"that python -m trainer.benchmark wrote")
         bench = json.loads(summary.read_text())
         hosts = bench.get("provenance", {}).get("simulated_hosts")
@@ -133,7 +130,7 @@ def fit(points: list[Point]) -> Model:
     models = tuple(dict.fromkeys(p.config.model for p in points))
     terms = len(models) + len(SHARED_TERMS)
     if len(points) < terms:
-        raise ModelError(f"{len(points)} ps runs on simulated hosts; the "
+        raise UserError(f"{len(points)} ps runs on simulated hosts; the "
                          f"model needs at least {terms} (more --workers, "
                          f"or more folders)")
     x = np.stack([p.features(models) for p in points])
@@ -195,7 +192,7 @@ def main(argv: list[str]) -> int:
     try:
         points = load_points(argv)
         model = fit(points)
-    except ModelError as e:
+    except UserError as e:
         sys.stderr.write(f"stepmodel: {e}\n")
         return 2
     sys.stdout.write("\n".join(report(points, model)) + "\n")
