@@ -109,7 +109,12 @@ class Protocol:
             self.records = self.shared.take_membership()
             self.secs_in = tf.compat.v1.placeholder(tf.float32,
                                                     [num_workers])
-            self.set_secs = self.shared.round_secs.assign(self.secs_in)
+            # As after every worker answered a first piece (not timed).
+            answered = tf.maximum(self.shared.issued_round.read_value(), 1)
+            self.set_secs = tf.group(
+                self.shared.round_secs.assign(self.secs_in),
+                self.shared.issued_round.assign(answered),
+                self.shared.answered.assign(answered))
 
     def run(self, fetches, feed=None, timeout_secs=20.0):
         return self.session.run(fetches, feed, options=tf.compat.v1.RunOptions(
@@ -368,6 +373,28 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     # No longer a laggard by the factor: in the next round.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
     round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+
+
+def test_a_workers_first_piece_is_not_timed(cluster):
+    """The first piece after a join warms the worker's session up: it sets
+    no speed; the next one does, and a join again starts afresh."""
+    protocol = Protocol(cluster, num_workers=2, slices="balanced")
+    protocol.join(1)
+    rng = np.random.default_rng(5)
+    for step, measured in ((0, False), (1, True)):
+        tokens = round_tokens(protocol, step, [1])
+        push_all(protocol, rng, tokens)
+        assert protocol.admit(tokens[0]) == (True, [0, 1])
+        protocol.apply(step)
+        speed = protocol.read(protocol.shared.speed)
+        secs = protocol.read(protocol.shared.round_secs)
+        assert bool(np.all(speed > 0)) == measured, (step, speed)
+        assert bool(np.all(secs > 0)) == measured, (step, secs)
+    protocol.send(state.JOINED, 1)   # worker 1 restarted
+    protocol.run(protocol.absorb)
+    assert protocol.read(protocol.shared.speed)[1] == 0
+    assert protocol.read(protocol.shared.round_secs)[1] == 0
+    assert protocol.read(protocol.shared.speed)[0] > 0
 
 
 def test_a_worker_that_fell_behind_skips_to_the_newest_token(cluster):

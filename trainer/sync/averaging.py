@@ -160,8 +160,11 @@ class Averaging:
         inside = roster[worker] > 0.5
         unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
                                     s.admitted.read_value()[worker] < 0.5)
+        # A worker (re)joining is measured afresh.
+        fresh_start = tf.equal(kind, JOINED)
         timed, speed_now, secs_now = self._timing(kind, worker, for_round,
-                                                  sent_at)
+                                                  sent_at, fresh_start)
+        measured = tf.logical_or(timed, fresh_start)
         pushed = tf.equal(kind, PUSHED)
         fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
             tf.equal(for_step, step), tf.equal(for_round, round_)),
@@ -189,10 +192,12 @@ class Averaging:
                                       secs_now, unfinished]):
             ops = [
                 _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
-                _set(s.speed, one, tf.where(timed, speed_now, speed[worker])),
-                _set(s.round_secs, one, tf.where(timed, secs_now, secs)),
-                _set(s.answered, one, tf.where(
-                    timed, for_round, s.answered.read_value()[worker])),
+                _set(s.speed, one, tf.where(measured, speed_now,
+                                            speed[worker])),
+                _set(s.round_secs, one, tf.where(measured, secs_now, secs)),
+                _set(s.answered, one, tf.where(timed, for_round, tf.where(
+                    fresh_start, tf.zeros_like(for_round),
+                    s.answered.read_value()[worker]))),
                 _set(s.roster, one, roster_now),
                 _set(s.last_push, one, tf.where(
                     pushed, for_round, s.last_push.read_value()[worker])),
@@ -206,11 +211,18 @@ class Averaging:
                                          unfinished)
             return tf.identity(fresh), lost_member
 
-    def _timing(self, kind, worker, for_round, sent_at) -> tuple:
+    def _timing(self, kind, worker, for_round, sent_at, fresh_start
+                ) -> tuple:
         """A push timed from the issue of its token (a piece of this round,
         or a laggard's probe that arrives rounds later): (timed: bool [],
-        the worker's speed and piece time averaged with it: float32 [])."""
+        the worker's speed and piece time averaged with it: float32 []).
+        fresh_start (bool []): the worker's measures restart at 0."""
         s = self.shared
+        # A worker's first piece since it joined (answered 0) includes
+        # warming up its session and graph, often 10x a later piece: kept,
+        # it would make that worker look slow, and everyone look alike to
+        # the laggard rule, for several rounds.
+        first = tf.equal(s.answered.read_value()[worker], 0)
         timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
             for_round, s.issued_round.read_value()[worker]))
         elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
@@ -219,8 +231,9 @@ class Averaging:
                     / tf.maximum(elapsed, 1e-6))
 
         def averaged(old, new):
-            return tf.where(old > 0, SPEED_MEMORY * old
-                            + (1 - SPEED_MEMORY) * new, new)
+            kept = tf.where(first, old, tf.where(
+                old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
+            return tf.where(fresh_start, tf.zeros_like(old), kept)
 
         return (timed, averaged(s.speed.read_value()[worker], measured),
                 averaged(s.round_secs.read_value()[worker], elapsed))
