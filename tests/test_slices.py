@@ -91,3 +91,28 @@ def test_an_unknown_slicing_is_refused():
     with pytest.raises(UserError, match="--slices=fast is unknown; choose "
                        "one of balanced, equal"):
         config_lib.validate(config, num_workers=2)
+
+
+def graph_prefer(base, new, weight, gain):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        return session.run(slices.prefer(
+            tf.constant(base, tf.int64), tf.constant(new, tf.int64),
+            tf.constant(weight, tf.float32), gain))
+
+
+def test_equal_slices_stay_until_the_speeds_predict_a_clear_gain():
+    equal = slices.bounds_np([1.0, 1.0, 1.0, 0.0], 128)    # 43, 43, 42
+    # Noise of ten percent in equal hosts' speeds: equal slices.
+    weight = np.float32([1.1, 0.95, 1.0, 0.0])
+    balanced = slices.bounds_np(weight, 128)
+    assert not np.array_equal(balanced, equal)
+    for cut in (graph_prefer(equal, balanced, weight, 0.2),
+                slices.prefer_np(equal, balanced, weight, 0.2)):
+        np.testing.assert_array_equal(cut, equal)
+    # A host at half speed: balanced slices end the round far sooner.
+    weight = np.float32([1.0, 0.5, 1.0, 0.0])
+    balanced = slices.bounds_np(weight, 128)
+    assert not np.array_equal(balanced, equal)
+    for cut in (graph_prefer(equal, balanced, weight, 0.2),
+                slices.prefer_np(equal, balanced, weight, 0.2)):
+        np.testing.assert_array_equal(cut, balanced)

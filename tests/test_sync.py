@@ -17,12 +17,13 @@ from tests import helpers
 from trainer.common import config as config_lib
 from trainer.common.errors import UserError
 from trainer.sync import averaging
+from trainer.sync import pace
 from trainer.sync import pull_turns
 from trainer.sync import state
 from trainer.sync import transport as transport_lib
 
 SHARDS = [5, 3]
-PROBE_FREE_STEP = 7   # not a multiple of averaging.PROBE_EVERY
+PROBE_FREE_STEP = 7   # not a multiple of pace.PROBE_EVERY
 LEARNING_RATE = 0.5
 
 
@@ -102,6 +103,9 @@ class Protocol:
             self.next_step = self.rule.count_and_advance(self.step_in,
                                                          [update])
             self.event = self.shared.send_event(self.kind_in, self.worker_in)
+            self.late = self.shared.send_event(state.LATE, 0, self.step_in,
+                                               self.round_in)
+            self.deadlines = self.shared.take_deadlines()
             self.absorb = self.rule.absorb_queued()
             self.token_counts = [q.size() for q in self.shared.tokens]
             self.tokens = [self.shared.next_token(k)
@@ -356,13 +360,13 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     # At a probe step it gets a piece too, which the round does not wait
     # for: its push, however late, is timed, neither admitted nor dropped.
     rng = np.random.default_rng(8)
-    probe = round_tokens(protocol, averaging.PROBE_EVERY, [1, 2])
+    probe = round_tokens(protocol, pace.PROBE_EVERY, [1, 2])
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
                                   [1, 1, 0])
     push_all(protocol, rng, {0: probe[0], 1: probe[1]})
     assert protocol.admit(probe[0]) == (True, [0, 1])
-    protocol.apply(averaging.PROBE_EVERY)
-    after = round_tokens(protocol, averaging.PROBE_EVERY + 1, [1])
+    protocol.apply(pace.PROBE_EVERY)
+    after = round_tokens(protocol, pace.PROBE_EVERY + 1, [1])
     protocol.push(2, probe[2], *random_push(rng, int(probe[2][3] -
                                                      probe[2][2])))
     push_all(protocol, rng, after)
@@ -372,7 +376,72 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     assert 0 < secs[2] < 0.5   # measured: faster than it was
     # No longer a laggard by the factor: in the next round.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
-    round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    back = round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    push_all(protocol, rng, back)
+    assert protocol.admit(back[0]) == (True, [0, 1, 2])
+    protocol.apply(PROBE_FREE_STEP)
+    # A laggard again: benched a second time, its probes come twice as
+    # far apart.
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.5]})
+    for step, probed in ((3 * pace.PROBE_EVERY, False),
+                         (4 * pace.PROBE_EVERY, True)):
+        tokens = round_tokens(protocol, step, [1])
+        assert protocol.read(protocol.token_counts[2]) == int(probed), step
+        push_all(protocol, rng, tokens)
+        assert protocol.admit(tokens[0]) == (True, [0, 1])
+        protocol.apply(step)
+    np.testing.assert_array_equal(protocol.read(protocol.shared.benched),
+                                  [0, 0, 2])
+
+
+def test_a_round_stops_waiting_for_a_late_minority(cluster):
+    """Balanced slices: each planned round asks for a deadline; a LATE
+    event for the round, with most members pushed, ends it unfinished
+    and benches the late member; the step is planned again without it."""
+    protocol = Protocol(cluster, num_workers=3, slices="balanced")
+    protocol.join(1, 2)
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.05, 0.04, 0.06]})
+    tokens = round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    steps, rounds, secs = protocol.read(protocol.deadlines)
+    assert (steps[-1], rounds[-1]) == (PROBE_FREE_STEP, tokens[0][1])
+    assert secs[-1] == pytest.approx(max(pace.LATE_FACTOR * 0.05,
+                                         pace.MIN_LATE_SECS))
+    rng = np.random.default_rng(6)
+    push_all(protocol, rng, {0: tokens[0], 1: tokens[1]})
+    # A LATE event of another round is ignored.
+    protocol.run(protocol.late, {protocol.step_in: PROBE_FREE_STEP,
+                                 protocol.round_in: tokens[0][1] - 1})
+    protocol.run(protocol.late, {protocol.step_in: PROBE_FREE_STEP,
+                                 protocol.round_in: tokens[0][1]})
+    assert protocol.admit(tokens[0]) == (False, [0, 1])
+    assert protocol.read(protocol.shared.round_secs)[2] > 0.06
+    again = round_tokens(protocol, PROBE_FREE_STEP, [1])
+    assert protocol.read(protocol.token_counts[2]) == 0
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [1, 1, 0])
+    push_all(protocol, rng, again)
+    assert protocol.admit(again[0]) == (True, [0, 1])
+    # Its late push, when it comes, is timed and not counted as dropped.
+    protocol.push(2, tokens[2], *random_push(rng, int(tokens[2][3] -
+                                                      tokens[2][2])))
+    protocol.apply(PROBE_FREE_STEP)
+    next_round = round_tokens(protocol, PROBE_FREE_STEP + 1, [1])
+    push_all(protocol, rng, next_round)
+    assert protocol.admit(next_round[0]) == (True, [0, 1])
+    assert protocol.read(protocol.shared.dropped) == 0
+
+
+def test_a_late_majority_is_waited_for(cluster):
+    protocol = Protocol(cluster, num_workers=3, slices="balanced")
+    protocol.join(1, 2)
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.05, 0.04, 0.06]})
+    tokens = round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    rng = np.random.default_rng(7)
+    push_all(protocol, rng, {0: tokens[0]})
+    protocol.run(protocol.late, {protocol.step_in: PROBE_FREE_STEP,
+                                 protocol.round_in: tokens[0][1]})
+    push_all(protocol, rng, {1: tokens[1], 2: tokens[2]})
+    assert protocol.admit(tokens[0]) == (True, [0, 1, 2])
 
 
 def test_a_workers_first_piece_is_not_timed(cluster):

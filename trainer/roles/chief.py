@@ -15,6 +15,7 @@ from trainer.observe import progress
 from trainer.observe import results as results_lib
 from trainer.observe import summaries
 from trainer.observe import tracing
+from trainer.roles import deadlines
 from trainer.roles import membership
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
@@ -49,7 +50,9 @@ class Chief(WorkerRole):
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
         writer = summaries.summary_writer(str(logdir), self.g.graph)
-        with self._membership_watch(logdir, writer) as watch:
+        with self._membership_watch(logdir, writer) as watch, \
+                deadlines.RoundDeadlines(self.session, ops.deadlines,
+                                         ops.late_op, *ops.late_in):
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),

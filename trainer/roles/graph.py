@@ -73,6 +73,9 @@ class ChiefOps:
     last_push: tf.Tensor              # int64 [N]: round of each's last push
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
+    deadlines: tuple                  # state.take_deadlines
+    late_in: tuple                    # feed int64 [] x 2: step, round
+    late_op: tf.Operation             # LATE for late_in
     halt_op: tf.Tensor                # ends the loop at a step boundary;
                                       # int64 []: the global step then
     end_op: tf.Operation              # the final step to every worker
@@ -184,6 +187,10 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         stop_reason_in = tf.compat.v1.placeholder(tf.string, [],
                                                   "stop_reason")
         lost_in = tf.compat.v1.placeholder(tf.int32, [], "lost_worker")
+        late_in = (tf.compat.v1.placeholder(tf.int64, [], "late_step"),
+                   tf.compat.v1.placeholder(tf.int64, [], "late_round"))
+        late_op = shared.send_event(state_lib.LATE, 0, *late_in)
+        deadlines = shared.take_deadlines()
         stop_op = coord.stop_op(stop_reason_in)
         take_finished = coord.take_reports()
         contributions = shared.contributions.read_value()
@@ -207,6 +214,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         slices=shared.slices.read_value(),
         last_push=shared.last_push.read_value(),
         lost_in=lost_in, lost_op=coord.lost_op(lost_in),
+        deadlines=deadlines, late_in=late_in, late_op=late_op,
         halt_op=coord.halt_op(), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,

@@ -16,7 +16,9 @@ For global step t the chief runs rounds until one completes:
    pushed for (t, r) (with --backup_workers=b, all but b). A push for
    another step or round is stale: dropped and counted. A worker that
    joins is added to the roster for the next plan. A member that leaves
-   (lost, or SIGTERM) before pushing ends the round unfinished.
+   (lost, or SIGTERM) before pushing ends the round unfinished; so does a
+   minority of members far past the round's deadline (balanced slices,
+   trainer/sync/pace.py), which then sit rounds out as laggards.
 4. If the round finished: average the admitted rows, dividing their sum
    by their example count, which is the gradient of the whole global
    batch (without backups); apply it; count each admitted worker; set
@@ -39,17 +41,14 @@ import dataclasses
 
 import tensorflow as tf
 
+from trainer.sync import pace as pace_lib
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
-from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
+from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED, set_at as _set
 
-# How much of a worker's measured speed carries over to the next round.
-SPEED_MEMORY = 0.7
-# A member whose pieces take this many times as long as every other
-# member's, even with its balanced slice, sits rounds out: its fixed cost
-# per round, not its share, would hold every step. Every PROBE_EVERY
-# steps it gets a probe, a piece that is timed but not waited for.
-BENCH_FACTOR, PROBE_EVERY = 2.0, 20
+# Balanced slices are cut only where the speeds predict rounds at least
+# this much shorter than with equal slices (slices.prefer).
+BALANCE_GAIN = 0.2
 
 
 @dataclasses.dataclass
@@ -69,6 +68,7 @@ class Averaging:
         self.backup_workers, self.slices = backup_workers, slices
         self.pull_turns = pull_turns
         self.device = shared.shard_devices[0]
+        self.pace = pace_lib.Pace(shared, slices, backup_workers)
 
     def plan(self, step: tf.Tensor) -> tf.Tensor:
         """Starts a round of step `step` (int64 []): slices for the roster,
@@ -77,43 +77,34 @@ class Averaging:
         s = self.shared
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
-            out = self._laggards(roster)
+            out = self.pace.laggards(roster)
             members = tf.where(out, 0.0, roster)
-            cut = slices_lib.bounds(
-                slices_lib.weights(speed, members, self.slices),
-                self.global_batch)
-            # A laggard with no piece outstanding gets, every PROBE_EVERY
-            # steps, the slice it would have: its time is measured, its
-            # gradient is not waited for (trainer/sync/slices.py).
-            probe = tf.logical_and(tf.logical_and(out, tf.equal(
-                step % PROBE_EVERY, 0)), tf.equal(
-                    s.issued_round.read_value(), s.answered.read_value()))
+            weight = slices_lib.weights(speed, members, self.slices)
+            cut = slices_lib.prefer(
+                slices_lib.bounds(members, self.global_batch),
+                slices_lib.bounds(weight, self.global_batch), weight,
+                BALANCE_GAIN)
+            probe, benched = self.pace.probes(step, out)
             given = tf.logical_or(members > 0.5, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
                 slices_lib.weights(speed, roster, self.slices),
                 self.global_batch), cut)
             round_, now = s.round.assign_add(1), tf.timestamp()
-            writes = [s.planned.assign(members, read_value=False),
-                      s.admitted.assign(tf.zeros_like(members),
-                                        read_value=False),
-                      s.slices.assign(cut, read_value=False),
-                      _assign_where(s.issued_at, given, now),
-                      _assign_where(s.issued_round, given, round_)]
+            with tf.control_dependencies([benched]):
+                writes = [s.planned.assign(members, read_value=False),
+                          s.admitted.assign(tf.zeros_like(members),
+                                            read_value=False),
+                          s.slices.assign(cut, read_value=False),
+                          _assign_where(s.issued_at, given, now),
+                          _assign_where(s.issued_round, given, round_)]
             with tf.control_dependencies(writes):
+                writes.append(self.pace.set_deadline(step, round_, members))
                 sent = [self._hand_out(k, step, round_, token_cut[k],
                                        given[k])
                         for k in range(1, s.num_workers)]
                 sent += self.pull_turns.cover_absent(step, members)
             with tf.control_dependencies(writes + sent):
                 return state_lib.token(step, round_, cut[0, 0], cut[0, 1])
-
-    def _laggards(self, roster: tf.Tensor) -> tf.Tensor:
-        """bool [N]: members that sit this round out (balanced slices
-        only; slices.laggards)."""
-        if self.slices != slices_lib.BALANCED:
-            return tf.zeros_like(roster, tf.bool)
-        return slices_lib.laggards(self.shared.round_secs.read_value(),
-                                   roster, BENCH_FACTOR)
 
     def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
         """Token (step, round, cut) into worker k's queue if `given` (bool
@@ -156,15 +147,16 @@ class Averaging:
         kind, worker, for_step, for_round, sent_at = s.events.dequeue()
         # Every read first, every write after them (a read racing a write
         # of the same event would see either value).
-        roster, speed = s.roster.read_value(), s.speed.read_value()
+        roster = s.roster.read_value()
         inside = roster[worker] > 0.5
         unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
                                     s.admitted.read_value()[worker] < 0.5)
         # A worker (re)joining is measured afresh.
         fresh_start = tf.equal(kind, JOINED)
-        timed, speed_now, secs_now = self._timing(kind, worker, for_round,
-                                                  sent_at, fresh_start)
-        measured = tf.logical_or(timed, fresh_start)
+        timed, speed_now, secs_now = self.pace.timing(
+            kind, worker, for_round, sent_at, fresh_start)
+        abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
+                                             round_, sent_at)
         pushed = tf.equal(kind, PUSHED)
         fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
             tf.equal(for_step, step), tf.equal(for_round, round_)),
@@ -185,19 +177,13 @@ class Averaging:
                                                    roster[worker]))
         members = tf.cast(tf.reduce_sum(roster) - roster[worker]
                           + roster_now, tf.int32)
-        secs = s.round_secs.read_value()[worker]
         changed = tf.logical_or(joins, leaves)
         one = worker[None]
         with tf.control_dependencies([roster_now, members, speed_now,
-                                      secs_now, unfinished]):
-            ops = [
+                                      secs_now, unfinished, abandon]):
+            ops = [bench_late, *self.pace.record(
+                worker, for_round, timed, fresh_start, speed_now, secs_now),
                 _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
-                _set(s.speed, one, tf.where(measured, speed_now,
-                                            speed[worker])),
-                _set(s.round_secs, one, tf.where(measured, secs_now, secs)),
-                _set(s.answered, one, tf.where(timed, for_round, tf.where(
-                    fresh_start, tf.zeros_like(for_round),
-                    s.answered.read_value()[worker]))),
                 _set(s.roster, one, roster_now),
                 _set(s.last_push, one, tf.where(
                     pushed, for_round, s.last_push.read_value()[worker])),
@@ -207,36 +193,11 @@ class Averaging:
                 _put_if(s.membership, tf.logical_or(changed, restarted), (
                     step, tf.where(leaves, kind, JOINED), worker, members))]
         with tf.control_dependencies(ops):
-            lost_member = tf.logical_and(tf.logical_or(leaves, restarted),
-                                         unfinished)
+            # A member left, was restarted, or is far too late: the round
+            # is planned again among the others.
+            lost_member = tf.logical_or(abandon, tf.logical_and(
+                tf.logical_or(leaves, restarted), unfinished))
             return tf.identity(fresh), lost_member
-
-    def _timing(self, kind, worker, for_round, sent_at, fresh_start
-                ) -> tuple:
-        """A push timed from the issue of its token (a piece of this round,
-        or a laggard's probe that arrives rounds later): (timed: bool [],
-        the worker's speed and piece time averaged with it: float32 []).
-        fresh_start (bool []): the worker's measures restart at 0."""
-        s = self.shared
-        # A worker's first piece since it joined (answered 0) includes
-        # warming up its session and graph, often 10x a later piece: kept,
-        # it would make that worker look slow, and everyone look alike to
-        # the laggard rule, for several rounds.
-        first = tf.equal(s.answered.read_value()[worker], 0)
-        timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
-            for_round, s.issued_round.read_value()[worker]))
-        elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
-                          tf.float32)
-        measured = (s.stats.read_value()[worker][0]
-                    / tf.maximum(elapsed, 1e-6))
-
-        def averaged(old, new):
-            kept = tf.where(first, old, tf.where(
-                old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
-            return tf.where(fresh_start, tf.zeros_like(old), kept)
-
-        return (timed, averaged(s.speed.read_value()[worker], measured),
-                averaged(s.round_secs.read_value()[worker], elapsed))
 
     def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
         """After a round that lost a member: lets through every pull that
@@ -313,10 +274,6 @@ def _scatter_max(variable, index, value) -> tf.Operation:
                                          indices=index, updates=value[None])
 
 
-def _set(variable, index, value) -> tf.Operation:
-    """variable[index] = value (float32 [])."""
-    return tf.raw_ops.ResourceScatterUpdate(
-        resource=variable.handle, indices=index, updates=value[None])
 
 
 def _put_if(queue, when: tf.Tensor, record: tuple) -> tf.Operation:

@@ -28,7 +28,8 @@ REJOIN = -2   # token step: a (re)started chief asks for every worker
 TOKEN_SIZE = 4
 
 # Event kinds on sync/events (and membership records).
-PUSHED, JOINED, LOST, LEAVING = 0, 1, 2, 3
+# LATE: a round's deadline passed (trainer/roles/deadlines.py).
+PUSHED, JOINED, LOST, LEAVING, LATE = 0, 1, 2, 3, 4
 EVENT_NAMES = {JOINED: "joined", LOST: "left", LEAVING: "left"}
 
 # Variables a checkpoint does not hold: the chief initializes them afresh
@@ -44,6 +45,12 @@ def ps_variable(name, shape, dtype, initializer, transient):
         use_resource=True,
         collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES] + (
             [TRANSIENT] if transient else []))
+
+
+def set_at(variable, index, value) -> tf.Operation:
+    """variable[index] = value (index: int32 [1]; value: a scalar)."""
+    return tf.raw_ops.ResourceScatterUpdate(
+        resource=variable.handle, indices=index, updates=value[None])
 
 
 def transient_variables() -> list:
@@ -97,6 +104,11 @@ class SharedState:
                 "sync/events",
                 [tf.int32, tf.int32, tf.int64, tf.int64, tf.float64],
                 [[], [], [], [], []])
+            # (step, round, seconds): when to send a round's LATE event
+            # (trainer/sync/pace.py); only the chief's thread takes them.
+            self.deadlines = queues.shared_queue(
+                "sync/deadlines", [tf.int64, tf.int64, tf.float32],
+                [[], [], []])
             self.membership = queues.shared_queue(
                 "sync/membership", [tf.int64, tf.int32, tf.int32, tf.int32],
                 [[], [], [], []])
@@ -122,6 +134,9 @@ class SharedState:
                                         tf.int64, zeros, True)
         self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
                                     True)
+        # How often each worker was benched as a laggard since it joined:
+        # its probes come PROBE_EVERY x 2^(times - 1) steps apart.
+        self.benched = ps_variable("sync/benched", n, tf.int64, zeros, True)
         # The round of each worker's latest push, stale or not: the
         # membership watch hears from a worker by it.
         self.last_push = ps_variable("sync/last_push", n, tf.int64,
@@ -171,6 +186,13 @@ class SharedState:
         with tf.device(self.shard_devices[0]), \
                 tf.control_dependencies(list(after)):
             return tf.group([q.enqueue(value) for q in self.tokens[1:]])
+
+    def take_deadlines(self) -> tuple:
+        """Every queued deadline request, waiting for one: (steps int64
+        [n], rounds int64 [n], seconds float32 [n])."""
+        with tf.device(self.shard_devices[0]):
+            return self.deadlines.dequeue_many(
+                tf.maximum(self.deadlines.size(), 1))
 
     def take_membership(self) -> tuple:
         """Membership records so far, without waiting: (step int64 [n],

@@ -1,0 +1,71 @@
+"""The chief's deadline thread: the timer behind a round's LATE event.
+
+The rule runs inside the graph, and an event queue's dequeue cannot time
+out there, so a round whose member fell far behind would wait for it.
+For each round planned with a deadline (trainer/sync/pace.py puts (step,
+round, seconds) on sync/deadlines), this thread waits that long and then
+sends LATE for the round. The rule ignores it if the round is over;
+otherwise, if most members pushed, it plans the step again without the
+late ones. Rounds are planned faster than deadlines pass, so the thread
+takes every queued request and times only the newest: a round's deadline
+falls between its seconds and twice that after its plan.
+"""
+
+import threading
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.common.tf_session import error_summary
+
+TAKE_TIMEOUT_MS = 500   # how long one take waits, so that stop is seen
+
+
+class RoundDeadlines:
+    """A thread beside the chief's training runs (a context manager)."""
+
+    def __init__(self, session, take: tf.Tensor, late_op: tf.Operation,
+                 step_in: tf.Tensor, round_in: tf.Tensor):
+        """
+        Args:
+          session: the chief's session (used concurrently, as the
+            membership watch does).
+          take: (steps int64 [n], rounds int64 [n], seconds float32 [n]):
+            every queued request, waiting for at least one.
+          late_op: sends LATE for (step_in, round_in).
+        """
+        self._session, self._take, self._late = session, take, late_op
+        self._step_in, self._round_in = step_in, round_in
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="round-deadlines")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=TAKE_TIMEOUT_MS / 1000 * 4)
+
+    def _run(self) -> None:
+        options = tf.compat.v1.RunOptions(timeout_in_ms=TAKE_TIMEOUT_MS)
+        complained = False
+        while not self._stop.is_set():
+            try:
+                # A request taken just as the take times out is lost: that
+                # round then waits for its members, as without a deadline.
+                steps, rounds, secs = self._session.run(self._take,
+                                                        options=options)
+                if self._stop.wait(float(secs[-1])):
+                    return
+                self._session.run(self._late, {self._step_in: steps[-1],
+                                               self._round_in: rounds[-1]})
+            except tf.errors.DeadlineExceededError:
+                continue
+            except tf.errors.OpError as e:
+                if not complained and not self._stop.is_set():
+                    logging.warning("round deadlines paused: %s",
+                                    error_summary(e))
+                complained = True
+                self._stop.wait(TAKE_TIMEOUT_MS / 1000)

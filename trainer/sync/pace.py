@@ -1,0 +1,162 @@
+"""How fast each member is, as the rule (trainer/sync/averaging.py) sees
+it: every worker's speed and piece time, who sits rounds out as a
+laggard, when a laggard is probed, and when a round stops waiting for a
+member far behind the others. All of it acts with balanced slices only;
+`--slices=equal` keeps every member in every round and waits for all.
+
+A piece is timed from the plan that issued its token to its push, both on
+ps 0's clock (the event's time is stamped as it arrives there).
+"""
+
+import tensorflow as tf
+
+from trainer.sync import slices as slices_lib
+from trainer.sync.state import LATE, PUSHED, set_at
+
+# How much of a worker's measured speed carries over to the next round.
+SPEED_MEMORY = 0.7
+# A member whose pieces take this many times as long as every other
+# member's, even with its balanced slice, sits rounds out: its fixed cost
+# per round, not its share, would hold every step. Every PROBE_EVERY
+# steps it gets a probe, a piece that is timed but not waited for. Each
+# time it is benched again (a probe made it look fast, its rounds did
+# not), its probes come twice as far apart, up to 2^MAX_BACKOFF times.
+BENCH_FACTOR, PROBE_EVERY, MAX_BACKOFF = 2.0, 20, 4
+# A round stops waiting for members that have not pushed LATE_FACTOR
+# times the second slowest member's recent piece time (at least
+# MIN_LATE_SECS) after the plan, if most members did push: it is planned
+# again without them (they are benched), as if they had left.
+LATE_FACTOR, MIN_LATE_SECS = 3.0, 0.1
+
+
+class Pace:
+    """Timing state on ps 0 (SharedState's speed, round_secs, issued_*,
+    answered, benched, deadlines) and what the rule decides from it."""
+
+    def __init__(self, shared, slices: str, backup_workers: int):
+        self.shared = shared
+        self.balanced = slices == slices_lib.BALANCED
+        # With backups a round already ends without its slowest members.
+        self.deadlines = self.balanced and backup_workers == 0
+
+    def laggards(self, roster: tf.Tensor) -> tf.Tensor:
+        """bool [N]: members that sit this round out (slices.laggards)."""
+        if not self.balanced:
+            return tf.zeros_like(roster, tf.bool)
+        return slices_lib.laggards(self.shared.round_secs.read_value(),
+                                   roster, BENCH_FACTOR)
+
+    def probes(self, step: tf.Tensor, out: tf.Tensor) -> tuple:
+        """Which laggards (out: bool [N]) get a probe this round: bool [N],
+        and the op that counts the members benched since the last plan
+        (the plan's writes must wait for it: it reads sync/planned).
+
+        A laggard with no piece outstanding gets, every PROBE_EVERY x
+        2^(times benched - 1) steps, the slice it would have: its time is
+        measured, its gradient is not waited for (trainer/sync/slices.py).
+        """
+        s = self.shared
+        before = s.benched.read_value()
+        newly = tf.logical_and(out, tf.logical_or(
+            s.planned.read_value() > 0.5, tf.equal(before, 0)))
+        times = before + tf.cast(newly, tf.int64)
+        with tf.control_dependencies([times]):
+            count = s.benched.assign(times, read_value=False)
+        every = PROBE_EVERY * tf.bitwise.left_shift(
+            tf.constant(1, tf.int64),
+            tf.clip_by_value(times - 1, 0, MAX_BACKOFF))
+        probe = tf.logical_and(tf.logical_and(out, tf.equal(
+            step % every, 0)), tf.equal(s.issued_round.read_value(),
+                                        s.answered.read_value()))
+        return probe, count
+
+    def set_deadline(self, step, round_, members: tf.Tensor) -> tf.Operation:
+        """Asks the chief's deadline thread (trainer/roles/deadlines.py)
+        for a LATE event when round `round_` of `step` has run too long:
+        (step, round, seconds) onto sync/deadlines, if there is a member
+        to wait for and a piece time to go by."""
+        s = self.shared
+        if not self.deadlines:
+            return tf.no_op()
+        secs = tf.where(members > 0.5, s.round_secs.read_value(), 0.0)
+        # The second slowest member's piece time (the only one's if one).
+        typical = tf.math.top_k(secs, min(2, s.num_workers)).values[-1]
+        wait = tf.maximum(LATE_FACTOR * typical, MIN_LATE_SECS)
+        count = tf.cast(tf.logical_and(typical > 0, tf.reduce_sum(
+            members) > 1.5), tf.int32)
+        return s.deadlines.enqueue_many([
+            tf.fill([count], tf.cast(step, tf.int64)),
+            tf.fill([count], tf.cast(round_, tf.int64)),
+            tf.fill([count], wait)])
+
+    def late(self, kind, for_step, for_round, step, round_, sent_at
+             ) -> tuple:
+        """Acts on a LATE event: (the round is abandoned: bool [], the op
+        that benches its late members). Abandoned only if it is still
+        this round and fewer members are late than have pushed (the chief
+        counts as pushed: it pushes before taking events). A late member's
+        piece time becomes at least the time it has taken so far, which
+        benches it at the next plan; its push, when it comes, is timed."""
+        s = self.shared
+        planned, admitted = s.planned.read_value(), s.admitted.read_value()
+        late = tf.logical_and(tf.logical_and(planned > 0.5, admitted < 0.5),
+                              tf.range(s.num_workers) > 0)
+        n_late = tf.reduce_sum(tf.cast(late, tf.int32))
+        n_pushed = tf.reduce_sum(tf.cast(tf.logical_and(
+            planned > 0.5, tf.logical_not(late)), tf.int32))
+        abandon = tf.logical_and(
+            tf.logical_and(tf.equal(kind, LATE), tf.logical_and(
+                tf.equal(for_step, step), tf.equal(for_round, round_))),
+            tf.logical_and(n_late > 0, n_late < n_pushed))
+        late = tf.logical_and(late, abandon)
+        which = tf.cast(tf.where(late)[:, 0], tf.int32)
+        taken = tf.cast(sent_at - tf.gather(s.issued_at.read_value(), which),
+                        tf.float32)
+        benched = tf.raw_ops.ResourceScatterMax(
+            resource=s.round_secs.handle, indices=which, updates=taken)
+        return abandon, benched
+
+    def record(self, worker, for_round, timed, fresh_start, speed_now,
+               secs_now) -> list:
+        """The writes of one event's timing (`timing`'s outputs): worker's
+        speed and piece time, the round it answered, and on a (re)join
+        (fresh_start) its measures and bench count back to 0."""
+        s, one = self.shared, worker[None]
+        measured = tf.logical_or(timed, fresh_start)
+        zero = tf.zeros_like(for_round)
+        return [
+            set_at(s.speed, one, tf.where(measured, speed_now,
+                                          s.speed.read_value()[worker])),
+            set_at(s.round_secs, one, tf.where(
+                measured, secs_now, s.round_secs.read_value()[worker])),
+            set_at(s.answered, one, tf.where(timed, for_round, tf.where(
+                fresh_start, zero, s.answered.read_value()[worker]))),
+            set_at(s.benched, one, tf.where(
+                fresh_start, zero, s.benched.read_value()[worker]))]
+
+    def timing(self, kind, worker, for_round, sent_at, fresh_start
+               ) -> tuple:
+        """A push timed from the issue of its token (a piece of this round,
+        or a laggard's probe that arrives rounds later): (timed: bool [],
+        the worker's speed and piece time averaged with it: float32 []).
+        fresh_start (bool []): the worker's measures restart at 0."""
+        s = self.shared
+        # A worker's first piece since it joined (answered 0) includes
+        # warming up its session and graph, often 10x a later piece: kept,
+        # it would make that worker look slow, and everyone look alike to
+        # the laggard rule, for several rounds.
+        first = tf.equal(s.answered.read_value()[worker], 0)
+        timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
+            for_round, s.issued_round.read_value()[worker]))
+        elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
+                          tf.float32)
+        measured = (s.stats.read_value()[worker][0]
+                    / tf.maximum(elapsed, 1e-6))
+
+        def averaged(old, new):
+            kept = tf.where(first, old, tf.where(
+                old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
+            return tf.where(fresh_start, tf.zeros_like(old), kept)
+
+        return (timed, averaged(s.speed.read_value()[worker], measured),
+                averaged(s.round_secs.read_value()[worker], elapsed))
