@@ -459,6 +459,11 @@ def test_a_workers_first_piece_is_not_timed(cluster):
         secs = protocol.read(protocol.shared.round_secs)
         assert bool(np.all(speed > 0)) == measured, (step, speed)
         assert bool(np.all(secs > 0)) == measured, (step, secs)
+    # The speed is a ratio of averages: examples over seconds of the
+    # recent pieces.
+    examples = protocol.read(protocol.shared.piece_examples)
+    np.testing.assert_allclose(speed, examples / secs, rtol=1e-5)
+    np.testing.assert_array_equal(examples, [32, 32])
     protocol.send(state.JOINED, 1)   # worker 1 restarted
     protocol.run(protocol.absorb)
     assert protocol.read(protocol.shared.speed)[1] == 0

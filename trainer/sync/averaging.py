@@ -153,7 +153,7 @@ class Averaging:
                                     s.admitted.read_value()[worker] < 0.5)
         # A worker (re)joining is measured afresh.
         fresh_start = tf.equal(kind, JOINED)
-        timed, speed_now, secs_now = self.pace.timing(
+        timed, examples_now, secs_now = self.pace.timing(
             kind, worker, for_round, sent_at, fresh_start)
         abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
                                              round_, sent_at)
@@ -179,10 +179,11 @@ class Averaging:
                           + roster_now, tf.int32)
         changed = tf.logical_or(joins, leaves)
         one = worker[None]
-        with tf.control_dependencies([roster_now, members, speed_now,
+        with tf.control_dependencies([roster_now, members, examples_now,
                                       secs_now, unfinished, abandon]):
             ops = [bench_late, *self.pace.record(
-                worker, for_round, timed, fresh_start, speed_now, secs_now),
+                worker, for_round, timed, fresh_start, examples_now,
+                secs_now),
                 _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
                 _set(s.roster, one, roster_now),
                 _set(s.last_push, one, tf.where(

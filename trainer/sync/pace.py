@@ -116,15 +116,20 @@ class Pace:
             resource=s.round_secs.handle, indices=which, updates=taken)
         return abandon, benched
 
-    def record(self, worker, for_round, timed, fresh_start, speed_now,
+    def record(self, worker, for_round, timed, fresh_start, examples_now,
                secs_now) -> list:
         """The writes of one event's timing (`timing`'s outputs): worker's
-        speed and piece time, the round it answered, and on a (re)join
-        (fresh_start) its measures and bench count back to 0."""
+        piece examples, piece time and speed (their ratio), the round it
+        answered, and on a (re)join (fresh_start) its measures and bench
+        count back to 0."""
         s, one = self.shared, worker[None]
         measured = tf.logical_or(timed, fresh_start)
         zero = tf.zeros_like(for_round)
+        speed_now = tf.math.divide_no_nan(examples_now, secs_now)
         return [
+            set_at(s.piece_examples, one, tf.where(
+                measured, examples_now,
+                s.piece_examples.read_value()[worker])),
             set_at(s.speed, one, tf.where(measured, speed_now,
                                           s.speed.read_value()[worker])),
             set_at(s.round_secs, one, tf.where(
@@ -138,7 +143,8 @@ class Pace:
                ) -> tuple:
         """A push timed from the issue of its token (a piece of this round,
         or a laggard's probe that arrives rounds later): (timed: bool [],
-        the worker's speed and piece time averaged with it: float32 []).
+        the worker's piece examples and piece time averaged with it:
+        float32 []).
         fresh_start (bool []): the worker's measures restart at 0."""
         s = self.shared
         # A worker's first piece since it joined (answered 0) includes
@@ -150,13 +156,13 @@ class Pace:
             for_round, s.issued_round.read_value()[worker]))
         elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
                           tf.float32)
-        measured = (s.stats.read_value()[worker][0]
-                    / tf.maximum(elapsed, 1e-6))
 
         def averaged(old, new):
             kept = tf.where(first, old, tf.where(
                 old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
             return tf.where(fresh_start, tf.zeros_like(old), kept)
 
-        return (timed, averaged(s.speed.read_value()[worker], measured),
-                averaged(s.round_secs.read_value()[worker], elapsed))
+        examples = averaged(s.piece_examples.read_value()[worker],
+                            s.stats.read_value()[worker][0])
+        secs = averaged(s.round_secs.read_value()[worker], elapsed)
+        return timed, examples, secs

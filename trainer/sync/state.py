@@ -123,6 +123,11 @@ class SharedState:
         # Examples per second of each worker, averaged over its recent
         # rounds; 0 until measured. Balanced slices follow it.
         self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
+        # The examples of each worker's recent pieces, averaged alike: its
+        # speed is this over round_secs (a ratio of averages, not an
+        # average of ratios, which a few unthrottled pieces would skew).
+        self.piece_examples = ps_variable("sync/piece_examples", n,
+                                          tf.float32, zeros, True)
         # Seconds from token to push of each worker's recent pieces,
         # and when (ps 0's clock) and for which round its last token
         # was issued, and the last round it answered.
