@@ -81,7 +81,7 @@ class Chief(WorkerRole):
             "step": handles.global_step, "round": handles.round,
             "planned": handles.planned, "admitted": handles.admitted,
             "roster": ops.roster, "slices": ops.slices,
-            "last_push": ops.last_push})
+            "last_push": ops.last_push, "issued_round": ops.issued_round})
         session = self.session
         return membership.MembershipWatch(
             read, lambda: session.run(ops.membership),

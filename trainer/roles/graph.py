@@ -71,6 +71,7 @@ class ChiefOps:
     roster: tf.Tensor                 # float32 [N]
     slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
     last_push: tf.Tensor              # int64 [N]: round of each's last push
+    issued_round: tf.Tensor           # int64 [N]: round of each's last token
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
     deadlines: tuple                  # state.take_deadlines
@@ -213,6 +214,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         roster=shared.roster.read_value(),
         slices=shared.slices.read_value(),
         last_push=shared.last_push.read_value(),
+        issued_round=shared.issued_round.read_value(),
         lost_in=lost_in, lost_op=coord.lost_op(lost_in),
         deadlines=deadlines, late_in=late_in, late_op=late_op,
         halt_op=coord.halt_op(), end_op=coord.end_op(),

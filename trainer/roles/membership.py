@@ -4,7 +4,8 @@ The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
 loop. This thread reads the round every CHECK_SECS (the same session,
 concurrently) and reports a member of the round that has not pushed
-anything lost (a LOST event, which the rule in trainer/sync/averaging.py
+anything (or a worker sitting rounds out whose probe or abandoned piece
+is outstanding) lost (a LOST event, which the rule in trainer/sync/averaging.py
 acts on: it plans the step again without it):
 
 - a second after it fell silent, if its port refuses connections (the
@@ -50,6 +51,7 @@ class _Round:
     roster: np.ndarray     # float32 [N]
     slices: np.ndarray     # int64 [N, 2]
     last_push: np.ndarray  # int64 [N]: the round of each one's last push
+    issued_round: np.ndarray  # int64 [N]: the round of each one's last token
 
 
 class MembershipWatch:
@@ -62,7 +64,8 @@ class MembershipWatch:
         """
         Args:
           read: () -> dict of step, round, planned, admitted, roster,
-            slices, last_push (numpy values of the ops in ChiefOps).
+            slices, last_push, issued_round (numpy values of the ops in
+            ChiefOps).
           take_records: () -> (step, kind, worker, members) arrays.
           report_lost: worker -> None, sends LOST for it.
           cluster: the ClusterSpec (names workers in the log).
@@ -157,9 +160,15 @@ class MembershipWatch:
 
     @staticmethod
     def _late(state: _Round) -> list[int]:
-        """Members of the round (not the chief) that have not pushed."""
+        """Workers in the roster (not the chief) with a piece outstanding:
+        members of the round that have not pushed, and any other given a
+        token since its last push (a laggard's probe, or a member a
+        round's deadline left behind: it sits rounds out, so only this
+        finds it if it died)."""
         return [k for k in range(1, len(state.planned))
-                if state.planned[k] > 0.5 and state.admitted[k] < 0.5]
+                if state.roster[k] > 0.5 and (
+                    (state.planned[k] > 0.5 and state.admitted[k] < 0.5)
+                    or state.last_push[k] < state.issued_round[k])]
 
     def _refuses(self, k: int) -> bool:
         """True if worker k's port actively refuses a connection."""
