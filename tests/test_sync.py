@@ -106,6 +106,7 @@ class Protocol:
             self.late = self.shared.send_event(state.LATE, 0, self.step_in,
                                                self.round_in)
             self.deadlines = self.shared.take_deadlines()
+            self.deadline_count = self.shared.deadlines.size()
             self.absorb = self.rule.absorb_queued()
             self.token_counts = [q.size() for q in self.shared.tokens]
             self.tokens = [self.shared.next_token(k)
@@ -429,6 +430,19 @@ def test_a_round_stops_waiting_for_a_late_minority(cluster):
     push_all(protocol, rng, next_round)
     assert protocol.admit(next_round[0]) == (True, [0, 1])
     assert protocol.read(protocol.shared.dropped) == 0
+
+
+def test_no_deadline_while_a_member_is_unmeasured(cluster):
+    """A worker that just joined warms up in its first piece: no round
+    deadline until every member has a piece time."""
+    protocol = Protocol(cluster, num_workers=3, slices="balanced")
+    protocol.join(1, 2)
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.05, 0.04, 0.0]})
+    round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    assert protocol.read(protocol.deadline_count) == 0
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.05, 0.04, 0.06]})
+    round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
+    assert protocol.read(protocol.deadline_count) == 1
 
 
 def test_a_late_majority_is_waited_for(cluster):

@@ -7,8 +7,9 @@ round, seconds) on sync/deadlines), this thread waits that long and then
 sends LATE for the round. The rule ignores it if the round is over;
 otherwise, if most members pushed, it plans the step again without the
 late ones. Rounds are planned faster than deadlines pass, so the thread
-takes every queued request and times only the newest: a round's deadline
-falls between its seconds and twice that after its plan.
+takes every queued request and times only the newest from when it takes
+it: a round's deadline falls at least its seconds after its plan, later
+when the thread was still sleeping on an earlier round.
 """
 
 import threading
@@ -60,12 +61,14 @@ class RoundDeadlines:
                 if self._stop.wait(float(secs[-1])):
                     return
                 self._session.run(self._late, {self._step_in: steps[-1],
-                                               self._round_in: rounds[-1]})
+                                               self._round_in: rounds[-1]},
+                                  options=options)
             except tf.errors.DeadlineExceededError:
                 continue
-            except tf.errors.OpError as e:
+            except (tf.errors.OpError, RuntimeError) as e:  # closed session
                 if not complained and not self._stop.is_set():
                     logging.warning("round deadlines paused: %s",
-                                    error_summary(e))
+                                    error_summary(e) if isinstance(
+                                        e, tf.errors.OpError) else e)
                 complained = True
                 self._stop.wait(TAKE_TIMEOUT_MS / 1000)

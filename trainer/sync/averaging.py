@@ -275,8 +275,6 @@ def _scatter_max(variable, index, value) -> tf.Operation:
                                          indices=index, updates=value[None])
 
 
-
-
 def _put_if(queue, when: tf.Tensor, record: tuple) -> tf.Operation:
     """Enqueues `record` (scalars) if `when` (bool []), without a cond."""
     count = tf.cast(when, tf.int32)

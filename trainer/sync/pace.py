@@ -22,10 +22,11 @@ SPEED_MEMORY = 0.7
 # time it is benched again (a probe made it look fast, its rounds did
 # not), its probes come twice as far apart, up to 2^MAX_BACKOFF times.
 BENCH_FACTOR, PROBE_EVERY, MAX_BACKOFF = 2.0, 20, 4
-# A round stops waiting for members that have not pushed LATE_FACTOR
+# A round stops waiting for a member that has not pushed LATE_FACTOR
 # times the second slowest member's recent piece time (at least
-# MIN_LATE_SECS) after the plan, if most members did push: it is planned
-# again without them (they are benched), as if they had left.
+# MIN_LATE_SECS) after the plan, if it is the only one late and two
+# members did push: it is planned again without it (it is benched), as if
+# it had left.
 LATE_FACTOR, MIN_LATE_SECS = 3.0, 0.1
 
 
@@ -82,8 +83,11 @@ class Pace:
         # The second slowest member's piece time (the only one's if one).
         typical = tf.math.top_k(secs, min(2, s.num_workers)).values[-1]
         wait = tf.maximum(LATE_FACTOR * typical, MIN_LATE_SECS)
-        count = tf.cast(tf.logical_and(typical > 0, tf.reduce_sum(
-            members) > 1.5), tf.int32)
+        # No deadline while a member is unmeasured: a worker that just
+        # joined warms up in its first piece, which is slow by nature.
+        measured = tf.reduce_all(tf.logical_or(members < 0.5, secs > 0))
+        count = tf.cast(tf.logical_and(measured, tf.reduce_sum(
+            members) > 2.5), tf.int32)
         return s.deadlines.enqueue_many([
             tf.fill([count], tf.cast(step, tf.int64)),
             tf.fill([count], tf.cast(round_, tf.int64)),
@@ -92,11 +96,15 @@ class Pace:
     def late(self, kind, for_step, for_round, step, round_, sent_at
              ) -> tuple:
         """Acts on a LATE event: (the round is abandoned: bool [], the op
-        that benches its late members). Abandoned only if it is still
-        this round and fewer members are late than have pushed (the chief
-        counts as pushed: it pushes before taking events). A late member's
-        piece time becomes at least the time it has taken so far, which
-        benches it at the next plan; its push, when it comes, is timed."""
+        that benches its late member). Abandoned only if it is still this
+        round, exactly one member is late and at least two have pushed
+        (the chief counts as pushed: it pushes before taking events). The
+        late member's piece time becomes at least the time it has taken so
+        far, and over BENCH_FACTOR times every punctual member's, which
+        benches it at the next plan (slices.laggards); its push, when it
+        comes, is timed. Two or more late members are waited for: the
+        laggard rule could bench neither, each as slow as the other, and
+        the same members would redo the step."""
         s = self.shared
         planned, admitted = s.planned.read_value(), s.admitted.read_value()
         late = tf.logical_and(tf.logical_and(planned > 0.5, admitted < 0.5),
@@ -107,11 +115,17 @@ class Pace:
         abandon = tf.logical_and(
             tf.logical_and(tf.equal(kind, LATE), tf.logical_and(
                 tf.equal(for_step, step), tf.equal(for_round, round_))),
-            tf.logical_and(n_late > 0, n_late < n_pushed))
+            tf.logical_and(tf.equal(n_late, 1), n_pushed >= 2))
+        punctual = tf.reduce_max(tf.where(
+            tf.logical_and(planned > 0.5, tf.logical_not(late)),
+            s.round_secs.read_value(), 0.0))
         late = tf.logical_and(late, abandon)
         which = tf.cast(tf.where(late)[:, 0], tf.int32)
-        taken = tf.cast(sent_at - tf.gather(s.issued_at.read_value(), which),
-                        tf.float32)
+        taken = tf.maximum(
+            tf.cast(sent_at - tf.gather(s.issued_at.read_value(), which),
+                    tf.float32), 1.01 * BENCH_FACTOR * punctual)
+        # Writes the late member only (never worker 0, whose round_secs
+        # the same event's record() may write).
         benched = tf.raw_ops.ResourceScatterMax(
             resource=s.round_secs.handle, indices=which, updates=taken)
         return abandon, benched

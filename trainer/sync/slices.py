@@ -3,7 +3,8 @@
 Each member gets a contiguous slice of at least one example; the slices
 cover the batch exactly once, in worker order. With `--slices=equal` the
 sizes differ by at most one; with `--slices=balanced` they follow each
-worker's measured speed (examples per second over its recent rounds), so
+worker's measured speed (examples per second over its recent rounds)
+where that predicts clearly shorter rounds (`prefer`), so
 that every member needs about the same time for its slice and a step takes
 about global batch / (sum of speeds). Which worker computes which example
 does not change the average (trainer/learning/replica.py), so this is a
@@ -91,8 +92,8 @@ def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
 def prefer(base: tf.Tensor, new: tf.Tensor, weight: tf.Tensor,
            gain: float) -> tf.Tensor:
     """`base` (int64 [N, 2], a cut of the same members, e.g. the equal
-    one) unless the speeds `weight` (float32 [N]) predict that `new` ends
-    the round at least `gain` (0.2: 20%) sooner; else `new`.
+    one) unless the speeds `weight` (float32 [N]) predict that `base`
+    takes over 1 + `gain` (1.2) times as long as `new`; then `new`.
 
     A piece's measured time is noisy (a host's CPU comes in bursts of a
     CFS period), so balanced slices that followed every measurement moved
