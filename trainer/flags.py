@@ -90,6 +90,14 @@ flags.DEFINE_boolean("ordered_pulls", False,
                      "others still pull: for a step bound by a ps link's "
                      "bandwidth (docs/how-it-works.md#ordered-pulls). Not with "
                      "--backup_workers.")
+flags.DEFINE_integer("chunk_kb", 0,
+                     "0: each step pulls whole shards, then pushes them. N "
+                     "(at least 4): the pipelined protocol; parameters and "
+                     "gradients cross in chunks of at most N KiB, each ps "
+                     "applies a chunk once every worker's is in, and workers "
+                     "pull it while pushing the next (docs/how-it-works.md"
+                     "#pipelined-chunks). Not with --backup_workers or "
+                     "--ordered_pulls.")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "
@@ -269,7 +277,7 @@ def config_from_flags() -> TrainConfig:
         startup_timeout_secs=FLAGS.startup_timeout_secs,
         worker_timeout_secs=FLAGS.worker_timeout_secs,
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
-        ordered_pulls=FLAGS.ordered_pulls,
+        ordered_pulls=FLAGS.ordered_pulls, chunk_kb=FLAGS.chunk_kb,
         continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 

@@ -45,6 +45,7 @@ class TrainConfig:
     trace_steps: str | None = None     # "A:B": trace global steps [A, B)
     wire_dtype: str = "float32"        # parameters and gradients on links
     ordered_pulls: bool = False        # workers read parameters in turn
+    chunk_kb: int = 0                  # 0: whole shards; N: pipelined chunks
     continue_with_new_settings: bool = False  # more steps on a logdir
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
@@ -65,6 +66,11 @@ class TrainConfig:
         return max(1, math.ceil(epochs * (num_examples // self.batch_size)))
 
 
+# The smallest --chunk_kb: below it a chunk's fixed cost (a message, a
+# wait on its ps) outweighs its bytes on any link this trainer targets.
+MIN_CHUNK_KB = 4
+
+
 def _positive(name: str, value, kind=int):
     if value is None:
         return
@@ -82,6 +88,25 @@ def _check_trace_steps(text: str | None) -> None:
             or int(parts[0]) >= int(parts[1])):
         raise UserError(f"--trace_steps={text} must be FIRST:END, global "
                         "steps with FIRST < END, e.g. 200:205")
+
+
+def _check_chunk_kb(config: TrainConfig) -> None:
+    """--chunk_kb: 0, or at least MIN_CHUNK_KB and not with the options
+    the pipelined protocol (trainer/sync/pipeline.py) does not support.
+    The upper bound, the model's size, is checked where the model is
+    known (pipeline.check_chunk_size)."""
+    if config.chunk_kb == 0:
+        return
+    if config.chunk_kb < MIN_CHUNK_KB:
+        raise UserError(
+            f"--chunk_kb={config.chunk_kb} is below {MIN_CHUNK_KB}: each "
+            "chunk costs a message and a wait whatever its size; use "
+            f"{MIN_CHUNK_KB} or more, or 0 to send whole shards")
+    for name in ("backup_workers", "ordered_pulls"):
+        if getattr(config, name):
+            raise UserError(
+                f"--chunk_kb and --{name} do not mix: a pipelined chunk is "
+                "applied once every member's is in; drop one")
 
 
 def validate(config: TrainConfig, num_workers: int) -> None:
@@ -132,6 +157,7 @@ def validate(config: TrainConfig, num_workers: int) -> None:
         raise UserError(
             "--ordered_pulls and --backup_workers do not mix: a late worker "
             "would hold back the pulls of every worker after it; drop one")
+    _check_chunk_kb(config)
     if config.batch_size < num_workers:
         raise UserError(
             f"--batch_size={config.batch_size} is smaller than the "

@@ -67,7 +67,19 @@ def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
         return tf.group([pushed, *passed])
 
 
-class ChiefStep:
+class _WholeShardLoop:
+    """What training_loop asks of a step body beyond the step itself."""
+
+    def initial_carry(self) -> list:
+        """Loop variables beyond (done, token, stats): none here."""
+        return []
+
+    def unfinished(self):
+        """bool [] that keeps the loop going past a halt, or None."""
+        return None
+
+
+class ChiefStep(_WholeShardLoop):
     """The chief's step: plan a round, its own piece, then the update of
     the step if every member pushed, else the same step again."""
 
@@ -105,7 +117,7 @@ class ChiefStep:
                     state_lib.token(next_step), stats + step_stats)
 
 
-class WorkerStep:
+class WorkerStep(_WholeShardLoop):
     """Any other worker's piece of a step, then its next token."""
 
     def __init__(self, parts: StepParts):
@@ -141,23 +153,26 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
     with tf.device(shared.shard_devices[0]):
         max_steps = tf.identity(num_steps)
 
-        def keep_going(done, token, stats):
-            del stats
+        def keep_going(done, token, *rest):
+            del rest
             step = token[0]
-            go = tf.logical_and(done < max_steps,
-                                tf.logical_and(step >= 0, step < train_steps))
+            in_run = tf.logical_and(step >= 0, step < train_steps)
+            go = tf.logical_and(done < max_steps, in_run)
             if is_chief:
                 # No step with fewer than --min_workers, and none after the
                 # Python side asked to halt.
                 go = tf.logical_and(go, tf.logical_and(
                     tf.equal(shared.halt.read_value(), 0),
                     tf.reduce_sum(shared.roster.read_value()) >= min_workers))
+            unfinished = step_body.unfinished()
+            if unfinished is not None:  # a half-applied step is finished
+                go = tf.logical_or(go, tf.logical_and(unfinished, in_run))
             return go
 
-        done, next_token, stats = tf.while_loop(
+        done, next_token, stats, *_ = tf.while_loop(
             keep_going, step_body,
             [tf.constant(0, tf.int64), tf.identity(start_token),
-             tf.zeros([replica_lib.NUM_STATS])],
+             tf.zeros([replica_lib.NUM_STATS])] + step_body.initial_carry(),
             parallel_iterations=LOOP_PARALLEL_ITERATIONS)
     outputs = {"steps_done": done, "next_token": next_token, "stats": stats}
     if is_chief:

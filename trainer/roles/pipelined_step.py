@@ -1,0 +1,140 @@
+"""One global step of the pipelined protocol (--chunk_kb), as the chief and
+as any other worker runs it.
+
+Read `PipelinedChiefStep.__call__` top to bottom: plan a round; on each ps,
+resolve each chunk of it (apply it once every member's gradient chunk is
+in); the chief's own piece; admit the round by its events; count the step,
+or abandon the round and plan the step again. The chunk moves and the
+reason they stay exact are in trainer/sync/pipeline.py; the rest of the
+rule is the same as the whole-shard step's (trainer/roles/step.py).
+
+Unlike the whole-shard step, a member pulls at the END of its piece: the
+parameters of the next step, chunk by chunk as each is applied, while its
+later chunks are still being pushed. They ride in the loop's variables
+into the next piece (`carry`), which uses them if it is the very next
+round, and reads the parameters afresh otherwise.
+"""
+
+import tensorflow as tf
+
+from trainer.cluster import devices
+from trainer.learning import replica as replica_lib
+from trainer.roles.step import StepParts
+from trainer.sync import pipeline as pipeline_lib
+from trainer.sync import state as state_lib
+
+# The carry's label: (step, round, 1 if valid) of the values it holds.
+NO_LABEL = (-1, -1, 0)
+
+
+def initial_carry(parts: StepParts) -> list:
+    """Loop variables of a pipelined piece: the pulled chunks (float32
+    [n_c] each, on the worker, none valid yet) and their label (int64 [3])."""
+    with tf.device(devices.worker_device(parts.k)):
+        return ([tf.zeros([size]) for size in parts.shared.shard_sizes]
+                + [tf.constant(NO_LABEL, tf.int64)])
+
+
+def pipelined_piece(parts: StepParts, pipeline: pipeline_lib.Pipeline,
+                    token: tf.Tensor, carry: list) -> tuple:
+    """Worker k's piece of round token = (step, round, first, end).
+
+    Returns (the op that announced its push, the carry for its next piece).
+    """
+    k, values, label = parts.k, carry[:-1], carry[-1]
+    with tf.device(devices.worker_device(k)):
+        token = tf.identity(token)
+        step, round_ = token[0], token[1]
+        # The carried chunks are step's parameters only if they were pulled
+        # at the end of the round just before this one (step - 1's last).
+        follows = tf.logical_and(
+            label[2] > 0, tf.logical_and(tf.equal(step, label[0] + 1),
+                                         tf.equal(round_, label[1] + 1)))
+        values = tf.cond(follows, lambda: list(values),
+                         lambda: pipeline.read_for(step))
+        replica = replica_lib.compute_gradients(
+            parts.config, parts.flat, parts.trainset, step, token[2:],
+            values)
+        pushed, tokens = pipeline.push(k, token, replica.shard_grads,
+                                       replica.stats)
+        pulled, valid = pipeline.pull_applied(k, tokens)
+        label = tf.stack([step, round_, tf.cast(valid, tf.int64)])
+    return pushed, pulled + [label]
+
+
+class PipelinedChiefStep:
+    """The chief's pipelined step: a round, the chunks' applies on their
+    ps, its own piece, then the count or the same step again."""
+
+    def __init__(self, parts: StepParts, rule, update, pipeline):
+        """rule: trainer/sync/averaging.Averaging; update:
+        trainer/learning/optim.ChunkUpdate."""
+        self.parts, self.rule, self.update = parts, rule, update
+        self.pipeline = pipeline
+
+    def initial_carry(self) -> list:
+        return initial_carry(self.parts)
+
+    def unfinished(self) -> tf.Tensor:
+        """bool []: a step is half applied; the loop must finish it."""
+        return self.pipeline.partial.read_value() > 0
+
+    def __call__(self, done, token, stats, *carry):
+        parts, rule, pipe, step = self.parts, self.rule, self.pipeline, token[0]
+        # Plan: slices for the members, tokens to the others.
+        plan = rule.plan_round(step)
+        # Resolve: on each ps, each chunk is applied once all are in.
+        resolved = [pipe.resolve(c, step, plan.round, plan.members,
+                                 plan.given, self.update,
+                                 parts.config.batch_size)
+                    for c in range(len(parts.flat.variables))]
+        pushed, carry = pipelined_piece(parts, pipe, plan.token, list(carry))
+        with tf.device(parts.shared.shard_devices[0]):
+            # Admit: wait until every member pushed (or one left).
+            with tf.control_dependencies([pushed]):
+                verdict = rule.admit(step, plan.round)
+
+            def count_step():
+                # Count: steps and examples per worker, global step + 1.
+                with tf.control_dependencies([pipe.set_partial(0)]):
+                    return (rule.count_and_advance(step, []),
+                            rule.stats_of(verdict.rows))
+
+            def plan_again():
+                # The chunks still waiting for this round give up; those
+                # applied stay applied (pipeline.py).
+                given_up = pipe.abort(step, plan.round) + [pipe.set_partial(1)]
+                with tf.control_dependencies(given_up):
+                    return (rule.unfinished_round(step),
+                            tf.zeros([replica_lib.NUM_STATS]))
+
+            next_step, step_stats = tf.cond(verdict.complete, count_step,
+                                            plan_again)
+            # The next round is planned once every chunk of this one is
+            # resolved: no chunk is applied while a round is planned.
+            with tf.control_dependencies(pipeline_lib.group_by_device(
+                    resolved, parts.shared.shard_devices)):
+                next_step = tf.identity(next_step)
+            return (done + tf.cast(verdict.complete, tf.int64),
+                    state_lib.token(next_step), stats + step_stats, *carry)
+
+
+class PipelinedWorkerStep:
+    """Any other worker's pipelined piece, then its next token."""
+
+    def __init__(self, parts: StepParts, pipeline):
+        self.parts, self.pipeline = parts, pipeline
+
+    def initial_carry(self) -> list:
+        return initial_carry(self.parts)
+
+    def unfinished(self):
+        return None
+
+    def __call__(self, done, token, stats, *carry):
+        pushed, carry = pipelined_piece(self.parts, self.pipeline, token,
+                                        list(carry))
+        with tf.device(self.parts.shared.shard_devices[0]):
+            with tf.control_dependencies([pushed]):
+                next_token = self.parts.shared.next_token(self.parts.k)
+            return (done + 1, next_token, stats, *carry)

@@ -1,0 +1,336 @@
+"""The pipelined protocol (--chunk_kb): parameters and gradients cross in
+chunks, each ps applies a chunk as soon as its gradients are in, and a
+worker pulls a chunk as soon as it is applied, while it still pushes the
+later ones. Both directions of every link are busy at once, so a step
+bound by the links takes about one model's bytes over the link rate
+(BytePS's bound) instead of two.
+
+The chunks are the shards of trainer/learning/params.py, cut finer: the
+model's floats in model order, cut into C chunks of at most --chunk_kb
+KiB, C a multiple of the ps tasks, and chunk c on ps c mod P. So the
+chunks that cross first (the first layer's, which the next forward pass
+needs first) are spread over every ps link.
+
+A round of step t, r (trainer/sync/averaging.py plans it as before):
+
+1. Every member computes its slice's gradient with the parameters it
+   pulled at the end of its last round, if that round was r - 1 of step
+   t - 1; otherwise (it was not in, or a round was abandoned) it reads
+   them afresh (`read_for`).
+2. It pushes chunk 0, 1, ... with at most WINDOW of them in flight (TCP
+   would otherwise share the link among all of them and every chunk
+   would arrive last); each lands in the worker's row of that chunk and
+   puts (t, r, worker) on the chunk's arrival queue, on its ps.
+3. On each ps, the chief's loop resolves each chunk (`resolve`): once
+   every member of round r has arrived, it sums their rows in worker
+   order, divides by the global batch and applies the optimizer to the
+   chunk (trainer/learning/optim.ChunkUpdate), then tells every worker
+   given a token "chunk done for round r" (+r on its ready queue).
+4. A worker waits for +r on each chunk and pulls it: the parameters of
+   step t + 1, which it carries into its next round.
+5. The chief admits the round by its PUSHED events, as before; it plans
+   the next round only once every chunk of this one is resolved, so no
+   chunk is ever being applied while a round is planned.
+
+Exact through leave, join and deadlines: if a member leaves (or is late)
+before every chunk is in, the chief abandons the round, and puts
+(t, r, ABORT) on every arrival queue; chunks not complete are not
+applied, and their waiters get -r. Chunks already applied stay applied
+(all of round r's members had pushed them, so they are the whole batch's
+update), and the round is planned again: the new members compute step t
+with `read_for(t)`, which reads an applied chunk's value from before the
+update (`prev`), and only the chunks not yet applied for t are applied.
+A chief's loop that must halt with a step half-applied first finishes it
+(`partial`), so a checkpoint never holds a half-applied step.
+"""
+
+import math
+
+import tensorflow as tf
+
+from trainer.common.config import MIN_CHUNK_KB, TrainConfig
+from trainer.common.errors import UserError
+from trainer.learning import params as params_lib
+from trainer.learning import replica as replica_lib
+from trainer.learning.replica import NUM_STATS
+from trainer.sync import queues
+from trainer.sync import state as state_lib
+from trainer.sync import wire
+
+# Chunks a worker has in flight at once on its push: two, so that the
+# link does not idle while one chunk's arrival is acknowledged.
+WINDOW = 2
+ABORT = -1         # worker of an arrival entry: the round was abandoned
+RELEASE = -(2**62)  # ready entry: let any waiter through, its pull invalid
+
+
+def layout(config: TrainConfig, num_ps: int) -> list[list]:
+    """The shards: one per ps, or with --chunk_kb, C chunks (C a multiple
+    of num_ps) of at most chunk_kb KiB; shard c lives on ps c mod num_ps."""
+    specs = replica_lib.model_specs(config)
+    if not config.chunk_kb:
+        return params_lib.plan_shards(specs, num_ps)
+    total = sum(s.size for s in specs)
+    per_chunk = config.chunk_kb * 1024 // 4
+    count = num_ps * math.ceil(math.ceil(total / per_chunk) / num_ps)
+    return params_lib.plan_shards(specs, count)
+
+
+def check_chunk_size(config: TrainConfig) -> None:
+    """Raises UserError if --chunk_kb is more than the whole model."""
+    if not config.chunk_kb:
+        return
+    total_kb = sum(s.size for s in replica_lib.model_specs(config)) * 4 / 1024
+    if config.chunk_kb > total_kb:
+        raise UserError(
+            f"--chunk_kb={config.chunk_kb} is more than the whole "
+            f"{config.model} model ({total_kb:.0f} KiB of float32); use "
+            f"{MIN_CHUNK_KB} to {int(total_kb)}, or 0 to send whole shards")
+
+
+def group_by_device(ops: list, devices: list[str]) -> list:
+    """One group per device of the ops on it, built there: a later
+    control edge to another device then crosses once per device."""
+    by_device = {}
+    for op, device in zip(ops, devices):
+        by_device.setdefault(device, []).append(op)
+    groups = []
+    for device, group in by_device.items():
+        with tf.device(device):
+            groups.append(tf.group(group))
+    return groups
+
+
+class Pipeline:
+    """Per chunk c, on its ps: `applied_for` (int64 [], the step last
+    applied, -1 none since the chief started), `prev` (float32 [n_c], the
+    value before that apply), the arrival queue and one ready queue per
+    worker. Every worker builds it alike; found by name."""
+
+    def __init__(self, shared: state_lib.SharedState, flat, wire_dtype):
+        self.shared, self.flat = shared, flat
+        self.wire_dtype = wire.wire_dtype(wire_dtype)
+        self.devices = shared.shard_devices
+        n = shared.num_workers
+        self.applied_for, self.prev, self.arrivals, self.ready = [], [], [], []
+        for c, (device, size) in enumerate(zip(self.devices,
+                                               shared.shard_sizes)):
+            with tf.device(device):
+                self.applied_for.append(state_lib.ps_variable(
+                    f"sync/applied_for_{c}", [], tf.int64,
+                    tf.compat.v1.constant_initializer(-1), transient=True))
+                self.prev.append(state_lib.ps_variable(
+                    f"sync/prev_{c}", [size], tf.float32,
+                    tf.compat.v1.zeros_initializer(), transient=True))
+                self.arrivals.append(queues.shared_queue(
+                    f"sync/arrivals_{c}", [tf.int64, tf.int64, tf.int32],
+                    [[], [], []]))
+                self.ready.append([queues.step_queue(f"sync/ready_{c}_{k}")
+                                   for k in range(n)])
+        with tf.device(self.devices[0]):
+            # 1 while a step is half applied (a round abandoned after some
+            # chunks were applied): the chief's loop must not end there.
+            self.partial = state_lib.ps_variable(
+                "sync/partial", [], tf.int64,
+                tf.compat.v1.zeros_initializer(), transient=True)
+
+    # --- A member's piece ---
+
+    def read_for(self, step: tf.Tensor) -> list:
+        """Every chunk's value before global step `step` (int64 []) was
+        applied, on the current (worker) device: float32 [n_c] each."""
+        values = []
+        for c, device in enumerate(self.devices):
+            with tf.device(device):
+                before = tf.where(tf.equal(self.applied_for[c].read_value(),
+                                           step),
+                                  self.prev[c].read_value(),
+                                  self.flat.variables[c].read_value())
+                sent = wire.to_wire(before, self.wire_dtype)
+            values.append(wire.from_wire(sent))
+        return values
+
+    def push(self, worker: int, token: tf.Tensor, grads: list,
+             stats: tf.Tensor) -> tuple:
+        """Pushes the chunks of worker's gradient sum in order, WINDOW at a
+        time, then puts (PUSHED, worker, step, round) on sync/events.
+
+        Args:
+          token: int64 [4] on the worker, the round's token.
+          grads: float32 [n_c] per chunk, on the worker.
+          stats: float32 [3], this piece's (examples, loss sum, correct).
+        Returns:
+          (the event op, the token on each chunk's ps: int64 [4] each).
+        """
+        dtype, row = self.wire_dtype, tf.constant([worker])
+        landed, tokens = [], []
+        for c, grad in enumerate(grads):
+            # Chunk c leaves the worker once chunk c - WINDOW has landed
+            # (a control edge from that ps: a few bytes).
+            with tf.control_dependencies(landed[c - WINDOW:c - WINDOW + 1]
+                                         if c >= WINDOW else []):
+                parts = [wire.to_wire(grad, dtype),
+                         wire.bits_to_wire(token, dtype)]
+                if c == 0:
+                    parts.append(wire.bits_to_wire(stats, dtype))
+                packed = tf.concat(parts, axis=0)
+            with tf.device(self.devices[c]):
+                sizes = [self.shared.shard_sizes[c], wire.exact_size(
+                    tf.int64, state_lib.TOKEN_SIZE, dtype)]
+                if c == 0:
+                    sizes.append(wire.exact_size(tf.float32, NUM_STATS,
+                                                 dtype))
+                pieces = _split(packed, sizes)
+                token_here = wire.bits_from_wire(pieces[1], tf.int64,
+                                                 [state_lib.TOKEN_SIZE])
+                writes = [state_lib.set_at(self.shared.grads[c], row,
+                                           wire.from_wire(pieces[0]))]
+                if c == 0:
+                    writes.append(state_lib.set_at(
+                        self.shared.stats, row, wire.bits_from_wire(
+                            pieces[2], tf.float32, [NUM_STATS])))
+                with tf.control_dependencies(writes):
+                    landed.append(self.arrivals[c].enqueue(
+                        (token_here[0], token_here[1], tf.constant(worker))))
+                tokens.append(token_here)
+        with tf.control_dependencies(group_by_device(landed, self.devices)):
+            event = self.shared.send_event(state_lib.PUSHED, worker,
+                                           tokens[0][0], tokens[0][1])
+        return event, tokens
+
+    def pull_applied(self, worker: int, tokens: list) -> tuple:
+        """Waits for each chunk of the round in `tokens` (push's, int64 [4]
+        per chunk on its ps) to be resolved and pulls it.
+
+        Returns (float32 [n_c] per chunk on the worker: step + 1's
+        parameters; bool []: every chunk was applied, so they are valid).
+        """
+        values, valid = [], []
+        for c, device in enumerate(self.devices):
+            with tf.device(device):
+                done = self._wait_done(c, worker, tokens[c][1])
+                with tf.control_dependencies([done]):
+                    sent = wire.to_wire(self.flat.variables[c].read_value(),
+                                        self.wire_dtype)
+                valid.append(done)
+            values.append(wire.from_wire(sent))
+        return values, tf.reduce_all(tf.stack(valid))
+
+    def _wait_done(self, c: int, worker: int, round_: tf.Tensor):
+        """bool [] on chunk c's ps: the entry for `round_` was +round (the
+        chunk is final for the step); False for -round or RELEASE.
+        Entries of earlier rounds (a worker that skipped a wait) are
+        dropped."""
+        queue = self.ready[c][worker]
+        (entry,) = tf.while_loop(
+            lambda e: tf.abs(e) < round_, lambda e: [queue.dequeue()],
+            [tf.constant(0, tf.int64)], parallel_iterations=1)
+        return tf.equal(entry, round_)
+
+    # --- The chief's side ---
+
+    def resolve(self, c: int, step, round_, members, given,
+                update, global_batch: int) -> tf.Operation:
+        """Chunk c's part of round `round_` of `step`, on its ps: waits for
+        every member's arrival (members, given: float32 [N] / bool [N]
+        from the plan) or the round's ABORT, applies the chunk unless
+        abandoned or applied already, and posts +round (-round) on the
+        ready queue of every worker given a token."""
+        with tf.device(self.devices[c]):
+            members = tf.identity(members)
+            arrived, aborted = self._await_arrivals(c, step, round_, members)
+            del arrived
+            apply_now = tf.logical_and(
+                tf.logical_not(aborted),
+                tf.not_equal(self.applied_for[c].read_value(), step))
+
+            def apply_chunk():
+                rows = tf.where(members > 0.5)[:, 0]
+                mean = tf.reduce_sum(self.shared.grads[c].sparse_read(rows),
+                                     axis=0) / float(global_batch)
+                var = self.flat.variables[c]
+                saved = self.prev[c].assign(var.read_value(),
+                                            read_value=False)
+                with tf.control_dependencies([saved]):
+                    applied = update.apply(step, mean, var)
+                with tf.control_dependencies([applied]):
+                    done = [self.applied_for[c].assign(step,
+                                                       read_value=False)]
+                    if c == 0:
+                        done += update.finish(step)
+                with tf.control_dependencies(done):
+                    return tf.constant(True)
+
+            resolved = tf.cond(apply_now, apply_chunk,
+                               lambda: tf.constant(False))
+            entry = tf.where(aborted, -round_, round_)
+            given_here = tf.identity(given)
+            with tf.control_dependencies([resolved]):
+                return tf.group([_put_if(queue, given_here[k], entry)
+                                 for k, queue in enumerate(self.ready[c])])
+
+    def _await_arrivals(self, c, step, round_, members):
+        """Takes chunk c's arrival entries until every member of (step,
+        round_) is in, or its ABORT. Returns (float32 [N] arrived, bool
+        [] aborted)."""
+        queue, n = self.arrivals[c], self.shared.num_workers
+        needed = tf.reduce_sum(members)
+
+        def open_(arrived, aborted):
+            return tf.logical_and(tf.reduce_sum(arrived) < needed,
+                                  tf.logical_not(aborted))
+
+        def take(arrived, aborted):
+            for_step, for_round, worker = queue.dequeue()
+            this = tf.logical_and(tf.equal(for_step, step),
+                                  tf.equal(for_round, round_))
+            index = tf.maximum(worker, 0)
+            member = tf.logical_and(worker >= 0, members[index] > 0.5)
+            fresh = tf.cast(tf.logical_and(this, member), tf.float32)
+            arrived = tf.maximum(arrived, fresh * tf.one_hot(index, n))
+            return arrived, tf.logical_or(aborted, tf.logical_and(
+                this, tf.equal(worker, ABORT)))
+
+        return tf.while_loop(open_, take, [tf.zeros([n]), tf.constant(False)],
+                             parallel_iterations=1)
+
+    def abort(self, step, round_) -> list:
+        """Ops putting (step, round_, ABORT) on every chunk's arrivals."""
+        ops = []
+        for c, device in enumerate(self.devices):
+            with tf.device(device):
+                ops.append(self.arrivals[c].enqueue(
+                    (step, round_, tf.constant(ABORT))))
+        return ops
+
+    def set_partial(self, value: int) -> tf.Operation:
+        with tf.device(self.devices[0]):
+            return self.partial.assign(value, read_value=False)
+
+    def release_all(self) -> list:
+        """At a chief's (re)start and stop: forgets every arrival and ready
+        entry, then lets any waiter through with an invalid pull."""
+        ops = []
+        for c, device in enumerate(self.devices):
+            with tf.device(device):
+                queue = self.arrivals[c]
+                drained = [queue.dequeue_many(queue.size())[0].op]
+                for ready in self.ready[c]:
+                    drained.append(ready.dequeue_many(ready.size()).op)
+                with tf.control_dependencies(drained):
+                    ops += [ready.enqueue(tf.constant(RELEASE, tf.int64))
+                            for ready in self.ready[c]]
+        return ops
+
+
+def _split(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(tf.slice(packed, [start], [size]))
+        start += size
+    return pieces
+
+
+def _put_if(queue, when: tf.Tensor, value: tf.Tensor) -> tf.Operation:
+    """Enqueues `value` (int64 []) if `when` (bool []), without a cond."""
+    return queue.enqueue_many(tf.fill([tf.cast(when, tf.int32)], value))
