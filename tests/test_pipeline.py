@@ -3,13 +3,11 @@ against one worker and one ps, through the chunks and their applies on
 every ps; and its bad input."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests import helpers
-from tests.test_cluster_runs import final_parameters, max_relative_difference
+from tests.test_cluster_runs import max_relative_difference
 
 STEPS = 30
 
@@ -48,3 +46,49 @@ def test_pipelined_chunks_on_four_ps_match_one_worker(tmp_path, fake_data):
     results = json.loads((pipelined / "results.json").read_text())
     assert results["global_step"] == STEPS
     assert results["averaged_steps"] == {str(k): STEPS for k in range(4)}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--chunk_kb=2",), "--chunk_kb=2 is below 4"),
+    (("--chunk_kb=-8",), "--chunk_kb=-8 is below 4"),
+    (("--chunk_kb=64", "--backup_workers=1"),
+     "--chunk_kb and --backup_workers do not mix"),
+    (("--chunk_kb=64", "--ordered_pulls"),
+     "--chunk_kb and --ordered_pulls do not mix"),
+])
+def test_bad_chunk_settings_are_refused(flags, message):
+    from trainer.common import config as config_lib
+    from trainer.common.errors import UserError
+    values = {"chunk_kb": 0, "backup_workers": 0, "ordered_pulls": False}
+    for flag in flags:
+        name, _, value = flag[2:].partition("=")
+        values[name] = int(value) if value else True
+    with pytest.raises(UserError, match=message.replace("-", r"\-")):
+        config_lib.validate(config_lib.TrainConfig(logdir="x", **values), 3)
+
+
+def test_a_chunk_larger_than_the_model_is_one_line_and_exit_2(tmp_path,
+                                                              fake_data):
+    # The mlp of 128 hidden units is 398 KiB of float32.
+    result = helpers.launch(tmp_path / "logs", fake_data, 2, "--model=mlp",
+                            "--chunk_kb=1000", "--train_steps=5",
+                            timeout=120)
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert ("--chunk_kb=1000 is more than the whole mlp model (398 KiB of "
+            "float32); use 4 to 397, or 0 to send whole shards"
+            in result.stdout)
+    assert "Traceback" not in result.stdout
+
+
+def test_the_chunks_are_spread_over_the_ps_tasks_in_model_order():
+    from trainer.common.config import TrainConfig
+    from trainer.sync import pipeline
+    config = TrainConfig(logdir="x", model="mlp", chunk_kb=64)
+    shards = pipeline.layout(config, num_ps=4)
+    # 398 KiB in chunks of at most 64 KiB: 7, rounded up to 8 for 4 ps.
+    assert len(shards) == 8
+    sizes = [sum(p.size for p in shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) * 4 <= 64 * 1024
+    assert shards[0][0].name == "model/hidden/kernel"
+    assert shards[0][0].start == 0
+    assert len(pipeline.layout(TrainConfig(logdir="x", model="mlp"), 4)) == 4

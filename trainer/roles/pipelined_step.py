@@ -27,31 +27,26 @@ from trainer.sync import state as state_lib
 NO_LABEL = (-1, -1, 0)
 
 
-def initial_carry(parts: StepParts) -> list:
-    """Loop variables of a pipelined piece: the pulled chunks (float32
-    [n_c] each, on the worker, none valid yet) and their label (int64 [3])."""
-    with tf.device(devices.worker_device(parts.k)):
-        return ([tf.zeros([size]) for size in parts.shared.shard_sizes]
-                + [tf.constant(NO_LABEL, tf.int64)])
+def _follows(token: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
+    """bool []: the carried chunks (labelled (step, round, valid)) are the
+    parameters of token's step: pulled valid at the end of the round just
+    before token's, which was step - 1's last."""
+    return tf.logical_and(label[2] > 0, tf.logical_and(
+        tf.equal(token[0], label[0] + 1), tf.equal(token[1], label[1] + 1)))
 
 
 def pipelined_piece(parts: StepParts, pipeline: pipeline_lib.Pipeline,
-                    token: tf.Tensor, carry: list) -> tuple:
-    """Worker k's piece of round token = (step, round, first, end).
+                    token: tf.Tensor, values: list) -> tuple:
+    """Worker k's piece of round token = (step, round, first, end) with
+    `values`, that step's parameters (float32 [n_c] per chunk).
 
-    Returns (the op that announced its push, the carry for its next piece).
+    Returns (the op that announced its push, the carry for its next piece:
+    the chunks pulled after it and their label, int64 [3]).
     """
-    k, values, label = parts.k, carry[:-1], carry[-1]
+    k = parts.k
     with tf.device(devices.worker_device(k)):
         token = tf.identity(token)
         step, round_ = token[0], token[1]
-        # The carried chunks are step's parameters only if they were pulled
-        # at the end of the round just before this one (step - 1's last).
-        follows = tf.logical_and(
-            label[2] > 0, tf.logical_and(tf.equal(step, label[0] + 1),
-                                         tf.equal(round_, label[1] + 1)))
-        values = tf.cond(follows, lambda: list(values),
-                         lambda: pipeline.read_for(step))
         replica = replica_lib.compute_gradients(
             parts.config, parts.flat, parts.trainset, step, token[2:],
             values)
@@ -72,8 +67,20 @@ class PipelinedChiefStep:
         self.parts, self.rule, self.update = parts, rule, update
         self.pipeline = pipeline
 
-    def initial_carry(self) -> list:
-        return initial_carry(self.parts)
+    def initial_carry(self, start_token) -> list:
+        """No chunks yet: the first piece reads them (label not valid)."""
+        del start_token
+        with tf.device(devices.worker_device(self.parts.k)):
+            return ([tf.zeros([size]) for size in
+                     self.parts.shared.shard_sizes]
+                    + [tf.constant(NO_LABEL, tf.int64)])
+
+    def continues(self, token, carry):
+        del token, carry
+        return None
+
+    def loop_device(self, shared) -> str:
+        return shared.shard_devices[0]
 
     def unfinished(self) -> tf.Tensor:
         """bool []: a step is half applied; the loop must finish it."""
@@ -88,7 +95,13 @@ class PipelinedChiefStep:
                                  plan.given, self.update,
                                  parts.config.batch_size)
                     for c in range(len(parts.flat.variables))]
-        pushed, carry = pipelined_piece(parts, pipe, plan.token, list(carry))
+        # Its own piece: with the chunks it pulled last round if that was
+        # step - 1's last, else read afresh (after a round was abandoned).
+        with tf.device(devices.worker_device(parts.k)):
+            values = tf.cond(_follows(plan.token, carry[-1]),
+                             lambda: list(carry[:-1]),
+                             lambda: pipe.read_for(step))
+        pushed, carry = pipelined_piece(parts, pipe, plan.token, values)
         with tf.device(parts.shared.shard_devices[0]):
             # Admit: wait until every member pushed (or one left).
             with tf.control_dependencies([pushed]):
@@ -120,21 +133,40 @@ class PipelinedChiefStep:
 
 
 class PipelinedWorkerStep:
-    """Any other worker's pipelined piece, then its next token."""
+    """Any other worker's pipelined pieces: the loop runs on the worker (so
+    its per-step control messages do not go through ps 0) and goes on only
+    while each token follows the round the carried chunks came from; the
+    Python side then starts it again with the token, and the loop first
+    reads the parameters afresh for it."""
 
     def __init__(self, parts: StepParts, pipeline):
         self.parts, self.pipeline = parts, pipeline
 
-    def initial_carry(self) -> list:
-        return initial_carry(self.parts)
+    def initial_carry(self, start_token) -> list:
+        """The parameters of start_token's step, read now, labelled as if
+        pulled in the round before it."""
+        with tf.device(devices.worker_device(self.parts.k)):
+            token = tf.identity(start_token)
+            values = self.pipeline.read_for(token[0])
+            label = tf.stack([token[0] - 1, token[1] - 1,
+                              tf.constant(1, tf.int64)])
+        return values + [label]
+
+    def continues(self, token, carry):
+        return _follows(token, carry[-1])
+
+    def loop_device(self, shared) -> str:
+        del shared
+        return devices.worker_device(self.parts.k)
 
     def unfinished(self):
         return None
 
     def __call__(self, done, token, stats, *carry):
         pushed, carry = pipelined_piece(self.parts, self.pipeline, token,
-                                        list(carry))
+                                        list(carry[:-1]))
         with tf.device(self.parts.shared.shard_devices[0]):
             with tf.control_dependencies([pushed]):
                 next_token = self.parts.shared.next_token(self.parts.k)
-            return (done + 1, next_token, stats, *carry)
+        with tf.device(devices.worker_device(self.parts.k)):
+            return (done + 1, tf.identity(next_token), stats, *carry)

@@ -103,7 +103,10 @@ class Averaging:
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
                 slices_lib.weights(speed, roster, self.slices),
                 self.global_batch), cut)
-            round_, now = s.round.assign_add(1), tf.timestamp()
+            # A read now: assign_add's value is a lazy read, which a loop
+            # that captures it would repeat every iteration (from ps 0).
+            round_ = tf.identity(s.round.assign_add(1))
+            now = tf.timestamp()
             with tf.control_dependencies([benched]):
                 writes = [s.planned.assign(members, read_value=False),
                           s.admitted.assign(tf.zeros_like(members),

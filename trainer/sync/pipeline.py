@@ -193,7 +193,10 @@ class Pipeline:
                     landed.append(self.arrivals[c].enqueue(
                         (token_here[0], token_here[1], tf.constant(worker))))
                 tokens.append(token_here)
-        with tf.control_dependencies(group_by_device(landed, self.devices)):
+        # Chunk c left once chunk c - WINDOW had landed, so once the last
+        # WINDOW chunks have landed, every chunk has.
+        with tf.control_dependencies(group_by_device(
+                landed[-WINDOW:], self.devices[-WINDOW:])):
             event = self.shared.send_event(state_lib.PUSHED, worker,
                                            tokens[0][0], tokens[0][1])
         return event, tokens
@@ -204,27 +207,37 @@ class Pipeline:
 
         Returns (float32 [n_c] per chunk on the worker: step + 1's
         parameters; bool []: every chunk was applied, so they are valid).
+        A chunk's flag rides as one more element of its tensor.
         """
         values, valid = [], []
         for c, device in enumerate(self.devices):
             with tf.device(device):
                 done = self._wait_done(c, worker, tokens[c][1])
                 with tf.control_dependencies([done]):
-                    sent = wire.to_wire(self.flat.variables[c].read_value(),
-                                        self.wire_dtype)
-                valid.append(done)
-            values.append(wire.from_wire(sent))
+                    value = self.flat.variables[c].read_value()
+                sent = wire.to_wire(tf.concat(
+                    [value, tf.cast(done, tf.float32)[None]], 0),
+                    self.wire_dtype)
+            size = self.shared.shard_sizes[c]
+            received = wire.from_wire(sent)
+            values.append(received[:size])
+            valid.append(received[size] > 0.5)
         return values, tf.reduce_all(tf.stack(valid))
 
     def _wait_done(self, c: int, worker: int, round_: tf.Tensor):
         """bool [] on chunk c's ps: the entry for `round_` was +round (the
         chunk is final for the step); False for -round or RELEASE.
         Entries of earlier rounds (a worker that skipped a wait) are
-        dropped."""
+        dropped. The first entry is nearly always the one: a loop (whose
+        every iteration costs a few dozen ops) runs only if it is not."""
         queue = self.ready[c][worker]
-        (entry,) = tf.while_loop(
-            lambda e: tf.abs(e) < round_, lambda e: [queue.dequeue()],
-            [tf.constant(0, tf.int64)], parallel_iterations=1)
+        first = queue.dequeue()
+        entry = tf.cond(
+            tf.abs(first) < round_,
+            lambda: tf.while_loop(lambda e: tf.abs(e) < round_,
+                                  lambda e: [queue.dequeue()], [first],
+                                  parallel_iterations=1)[0],
+            lambda: first)
         return tf.equal(entry, round_)
 
     # --- The chief's side ---
@@ -237,9 +250,11 @@ class Pipeline:
         abandoned or applied already, and posts +round (-round) on the
         ready queue of every worker given a token."""
         with tf.device(self.devices[c]):
-            members = tf.identity(members)
-            arrived, aborted = self._await_arrivals(c, step, round_, members)
-            del arrived
+            # Copies here, once per round: the loop below then reads none
+            # of them from ps 0.
+            step, round_, members = (tf.identity(step), tf.identity(round_),
+                                     tf.identity(members))
+            aborted = self._await_arrivals(c, step, round_, members)
             apply_now = tf.logical_and(
                 tf.logical_not(aborted),
                 tf.not_equal(self.applied_for[c].read_value(), step))
@@ -271,36 +286,59 @@ class Pipeline:
 
     def _await_arrivals(self, c, step, round_, members):
         """Takes chunk c's arrival entries until every member of (step,
-        round_) is in, or its ABORT. Returns (float32 [N] arrived, bool
-        [] aborted)."""
+        round_) is in, or its ABORT. Returns bool [] aborted.
+
+        Nearly always the first `members` entries are exactly theirs, so
+        one dequeue of that many decides; a loop, entry by entry, runs only
+        after stale entries (a probe's push, late pushes of an abandoned
+        round, its leftover ABORTs)."""
         queue, n = self.arrivals[c], self.shared.num_workers
-        needed = tf.reduce_sum(members)
+        needed = tf.cast(tf.reduce_sum(members), tf.int32)
 
-        def open_(arrived, aborted):
-            return tf.logical_and(tf.reduce_sum(arrived) < needed,
-                                  tf.logical_not(aborted))
-
-        def take(arrived, aborted):
-            for_step, for_round, worker = queue.dequeue()
+        def judge(for_step, for_round, worker):
+            """(fresh member pushes as float32 [N], ABORT seen: bool [])."""
             this = tf.logical_and(tf.equal(for_step, step),
                                   tf.equal(for_round, round_))
             index = tf.maximum(worker, 0)
-            member = tf.logical_and(worker >= 0, members[index] > 0.5)
+            member = tf.logical_and(worker >= 0,
+                                    tf.gather(members, index) > 0.5)
             fresh = tf.cast(tf.logical_and(this, member), tf.float32)
-            arrived = tf.maximum(arrived, fresh * tf.one_hot(index, n))
-            return arrived, tf.logical_or(aborted, tf.logical_and(
+            arrived = tf.reduce_max(
+                fresh[:, None] * tf.one_hot(index, n), axis=0)
+            return arrived, tf.reduce_any(tf.logical_and(
                 this, tf.equal(worker, ABORT)))
 
-        return tf.while_loop(open_, take, [tf.zeros([n]), tf.constant(False)],
-                             parallel_iterations=1)
+        arrived, aborted = judge(*queue.dequeue_many(needed))
+
+        def entry_by_entry():
+            def open_(arrived, aborted):
+                return tf.logical_and(tf.reduce_sum(arrived) < tf.cast(
+                    needed, tf.float32), tf.logical_not(aborted))
+
+            def take(arrived, aborted):
+                more, abort_seen = judge(*[v[None] for v in queue.dequeue()])
+                return (tf.maximum(arrived, more),
+                        tf.logical_or(aborted, abort_seen))
+
+            return tf.while_loop(open_, take, [arrived, aborted],
+                                 parallel_iterations=1)[1]
+
+        complete = tf.equal(tf.reduce_sum(arrived),
+                            tf.cast(needed, tf.float32))
+        return tf.cond(tf.logical_or(complete, aborted),
+                       lambda: aborted, entry_by_entry)
 
     def abort(self, step, round_) -> list:
-        """Ops putting (step, round_, ABORT) on every chunk's arrivals."""
-        ops = []
+        """Ops putting (step, round_, ABORT) N times on every chunk's
+        arrivals: a resolve waiting for its members' entries all at once
+        then takes at least one ABORT whatever number it waits for."""
+        ops, n = [], self.shared.num_workers
         for c, device in enumerate(self.devices):
             with tf.device(device):
-                ops.append(self.arrivals[c].enqueue(
-                    (step, round_, tf.constant(ABORT))))
+                ops.append(self.arrivals[c].enqueue_many(
+                    (tf.fill([n], tf.cast(step, tf.int64)),
+                     tf.fill([n], tf.cast(round_, tf.int64)),
+                     tf.fill([n], ABORT))))
         return ops
 
     def set_partial(self, value: int) -> tf.Operation:
