@@ -50,9 +50,9 @@ def pipelined_piece(parts: StepParts, pipeline: pipeline_lib.Pipeline,
         replica = replica_lib.compute_gradients(
             parts.config, parts.flat, parts.trainset, step, token[2:],
             values)
-        pushed, tokens = pipeline.push(k, token, replica.shard_grads,
-                                       replica.stats)
-        pulled, valid = pipeline.pull_applied(k, tokens)
+        # Push each chunk, pull it back once its ps applied it.
+        pushed, pulled, valid = pipeline.exchange(
+            k, token, replica.shard_grads, replica.stats)
         label = tf.stack([step, round_, tf.cast(valid, tf.int64)])
     return pushed, pulled + [label]
 

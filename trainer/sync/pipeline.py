@@ -17,7 +17,7 @@ A round of step t, r (trainer/sync/averaging.py plans it as before):
    pulled at the end of its last round, if that round was r - 1 of step
    t - 1; otherwise (it was not in, or a round was abandoned) it reads
    them afresh (`read_for`).
-2. It pushes chunk 0, 1, ... with at most WINDOW of them in flight (TCP
+2. It pushes chunk 0, 1, ... with a few of them on the way (TCP
    would otherwise share the link among all of them and every chunk
    would arrive last); each lands in the worker's row of that chunk and
    puts (t, r, worker) on the chunk's arrival queue, on its ps.
@@ -57,9 +57,10 @@ from trainer.sync import queues
 from trainer.sync import state as state_lib
 from trainer.sync import wire
 
-# Chunks a worker has in flight at once on its push: two, so that the
-# link does not idle while one chunk's arrival is acknowledged.
-WINDOW = 2
+# Chunks a worker has on the way (pushed, not yet landed) per ps task:
+# chunk c is on ps c mod P, so with two per ps every ps link carries some,
+# and a ps link does not idle while one chunk's landing is acknowledged.
+DEPTH_PER_PS = 2
 ABORT = -1         # worker of an arrival entry: the round was abandoned
 RELEASE = -(2**62)  # ready entry: let any waiter through, its pull invalid
 
@@ -150,95 +151,105 @@ class Pipeline:
             values.append(wire.from_wire(sent))
         return values
 
-    def push(self, worker: int, token: tf.Tensor, grads: list,
-             stats: tf.Tensor) -> tuple:
-        """Pushes the chunks of worker's gradient sum in order, WINDOW at a
-        time, then puts (PUSHED, worker, step, round) on sync/events.
+    def exchange(self, worker: int, token: tf.Tensor, grads: list,
+                 stats: tf.Tensor) -> tuple:
+        """Pushes worker's gradient chunks in order and pulls each back once
+        applied; puts (PUSHED, worker, step, round) on sync/events once
+        every chunk has landed.
+
+        Chunk c leaves the worker once chunk c - depth has landed (a
+        control edge from that ps: a few bytes), so about `depth` chunks
+        are on the way at any time, spread over every ps link. (Gated on
+        chunk c - depth's pull instead, the loop deadlocked.)
 
         Args:
           token: int64 [4] on the worker, the round's token.
           grads: float32 [n_c] per chunk, on the worker.
           stats: float32 [3], this piece's (examples, loss sum, correct).
         Returns:
-          (the event op, the token on each chunk's ps: int64 [4] each).
+          (the event op, float32 [n_c] per chunk on the worker: step + 1's
+          parameters, bool []: every chunk was applied, so they are valid).
         """
-        dtype, row = self.wire_dtype, tf.constant([worker])
-        landed, tokens = [], []
+        depth = DEPTH_PER_PS * len(set(self.devices))
+        landed, values, valid, tokens = [], [], [], []
         for c, grad in enumerate(grads):
-            # Chunk c leaves the worker once chunk c - WINDOW has landed
-            # (a control edge from that ps: a few bytes).
-            with tf.control_dependencies(landed[c - WINDOW:c - WINDOW + 1]
-                                         if c >= WINDOW else []):
-                parts = [wire.to_wire(grad, dtype),
-                         wire.bits_to_wire(token, dtype)]
-                if c == 0:
-                    parts.append(wire.bits_to_wire(stats, dtype))
-                packed = tf.concat(parts, axis=0)
-            with tf.device(self.devices[c]):
-                sizes = [self.shared.shard_sizes[c], wire.exact_size(
-                    tf.int64, state_lib.TOKEN_SIZE, dtype)]
-                if c == 0:
-                    sizes.append(wire.exact_size(tf.float32, NUM_STATS,
-                                                 dtype))
-                pieces = _split(packed, sizes)
-                token_here = wire.bits_from_wire(pieces[1], tf.int64,
-                                                 [state_lib.TOKEN_SIZE])
-                writes = [state_lib.set_at(self.shared.grads[c], row,
-                                           wire.from_wire(pieces[0]))]
-                if c == 0:
-                    writes.append(state_lib.set_at(
-                        self.shared.stats, row, wire.bits_from_wire(
-                            pieces[2], tf.float32, [NUM_STATS])))
-                with tf.control_dependencies(writes):
-                    landed.append(self.arrivals[c].enqueue(
-                        (token_here[0], token_here[1], tf.constant(worker))))
-                tokens.append(token_here)
-        # Chunk c left once chunk c - WINDOW had landed, so once the last
-        # WINDOW chunks have landed, every chunk has.
+            token_here, arrived = self._push_chunk(
+                c, worker, token, grad, stats if c == 0 else None,
+                after=landed[c - depth:c - depth + 1] if c >= depth else [])
+            landed.append(arrived)
+            tokens.append(token_here)
+            value, done = self._pull_chunk(c, worker, token_here[1])
+            values.append(value)
+            valid.append(done)
+        # Chunk c - depth had landed before chunk c left, so once the last
+        # `depth` chunks have landed, every chunk has. The event rides on
+        # chunk 0's copy of the token, on ps 0.
         with tf.control_dependencies(group_by_device(
-                landed[-WINDOW:], self.devices[-WINDOW:])):
+                landed[-depth:], self.devices[-depth:])):
             event = self.shared.send_event(state_lib.PUSHED, worker,
                                            tokens[0][0], tokens[0][1])
-        return event, tokens
+        return event, values, tf.reduce_all(tf.stack(valid))
 
-    def pull_applied(self, worker: int, tokens: list) -> tuple:
-        """Waits for each chunk of the round in `tokens` (push's, int64 [4]
-        per chunk on its ps) to be resolved and pulls it.
+    def _push_chunk(self, c: int, worker: int, token, grad, stats,
+                    after: list) -> tuple:
+        """Chunk c (and the token, and stats if given) into worker's row on
+        its ps once `after` (worker ops) ran, then (step, round, worker) on
+        its arrivals. Returns (the token, int64 [4] on that ps; the arrival
+        op)."""
+        dtype = self.wire_dtype
+        parts = [wire.to_wire(grad, dtype), wire.bits_to_wire(token, dtype)]
+        sizes = [self.shared.shard_sizes[c],
+                 wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, dtype)]
+        if stats is not None:
+            parts.append(wire.bits_to_wire(stats, dtype))
+            sizes.append(wire.exact_size(tf.float32, NUM_STATS, dtype))
+        with tf.control_dependencies(after):
+            packed = tf.concat(parts, axis=0)
+        row = tf.constant([worker])
+        with tf.device(self.devices[c]):
+            pieces = _split(packed, sizes)
+            token_here = wire.bits_from_wire(pieces[1], tf.int64,
+                                             [state_lib.TOKEN_SIZE])
+            writes = [state_lib.set_at(self.shared.grads[c], row,
+                                       wire.from_wire(pieces[0]))]
+            if stats is not None:
+                writes.append(state_lib.set_at(
+                    self.shared.stats, row, wire.bits_from_wire(
+                        pieces[2], tf.float32, [NUM_STATS])))
+            with tf.control_dependencies(writes):
+                arrived = self.arrivals[c].enqueue(
+                    (token_here[0], token_here[1], tf.constant(worker)))
+        return token_here, arrived
 
-        Returns (float32 [n_c] per chunk on the worker: step + 1's
-        parameters; bool []: every chunk was applied, so they are valid).
-        A chunk's flag rides as one more element of its tensor.
-        """
-        values, valid = [], []
-        for c, device in enumerate(self.devices):
-            with tf.device(device):
-                done = self._wait_done(c, worker, tokens[c][1])
-                with tf.control_dependencies([done]):
-                    value = self.flat.variables[c].read_value()
-                sent = wire.to_wire(tf.concat(
-                    [value, tf.cast(done, tf.float32)[None]], 0),
-                    self.wire_dtype)
-            size = self.shared.shard_sizes[c]
-            received = wire.from_wire(sent)
-            values.append(received[:size])
-            valid.append(received[size] > 0.5)
-        return values, tf.reduce_all(tf.stack(valid))
+    def _pull_chunk(self, c: int, worker: int, round_) -> tuple:
+        """Waits until chunk c is resolved for `round_` (int64 [] on its
+        ps) and reads it. Returns (float32 [n_c] on the worker; bool []:
+        applied, so valid). The flag rides as one more element."""
+        with tf.device(self.devices[c]):
+            done = self._wait_done(c, worker, round_)
+            with tf.control_dependencies([done]):
+                value = self.flat.variables[c].read_value()
+            sent = wire.to_wire(tf.concat(
+                [value, tf.cast(done, tf.float32)[None]], 0), self.wire_dtype)
+        size = self.shared.shard_sizes[c]
+        received = wire.from_wire(sent)
+        return received[:size], received[size] > 0.5
 
     def _wait_done(self, c: int, worker: int, round_: tf.Tensor):
-        """bool [] on chunk c's ps: the entry for `round_` was +round (the
-        chunk is final for the step); False for -round or RELEASE.
-        Entries of earlier rounds (a worker that skipped a wait) are
-        dropped. The first entry is nearly always the one: a loop (whose
-        every iteration costs a few dozen ops) runs only if it is not."""
+        """bool [] on chunk c's ps: chunk c is final for `round_` (its
+        newest ready entry is +round_). Takes every entry there, waiting
+        for one: entries left from an earlier round (a worker restarted, a
+        loop that ended before pulling) go with it, and the answer is then
+        False, as for -round_ and RELEASE: the worker reads the chunks
+        afresh for its next piece. (A cond or loop here, on the ps inside
+        the worker's loop, cost control messages to the worker per chunk.)
+        """
         queue = self.ready[c][worker]
-        first = queue.dequeue()
-        entry = tf.cond(
-            tf.abs(first) < round_,
-            lambda: tf.while_loop(lambda e: tf.abs(e) < round_,
-                                  lambda e: [queue.dequeue()], [first],
-                                  parallel_iterations=1)[0],
-            lambda: first)
-        return tf.equal(entry, round_)
+        # Not before this round's push: the loop's next iteration would
+        # otherwise take this one's entry (the dequeue has no input).
+        with tf.control_dependencies([round_]):
+            entries = queue.dequeue_many(tf.maximum(queue.size(), 1))
+        return tf.equal(entries[-1], round_)
 
     # --- The chief's side ---
 
