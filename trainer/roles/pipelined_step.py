@@ -20,6 +20,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.learning import replica as replica_lib
 from trainer.roles.step import StepParts
+from trainer.sync import chunk_apply
 from trainer.sync import pipeline as pipeline_lib
 from trainer.sync import state as state_lib
 
@@ -91,9 +92,9 @@ class PipelinedChiefStep:
         # Plan: slices for the members, tokens to the others.
         plan = rule.plan_round(step)
         # Resolve: on each ps, each chunk is applied once all are in.
-        resolved = [pipe.resolve(c, step, plan.round, plan.members,
-                                 plan.given, self.update,
-                                 parts.config.batch_size)
+        resolved = [chunk_apply.resolve(pipe, c, step, plan.round,
+                                        plan.members, plan.given, self.update,
+                                        parts.config.batch_size)
                     for c in range(len(parts.flat.variables))]
         # Its own piece: with the chunks it pulled last round if that was
         # step - 1's last, else read afresh (after a round was abandoned).
@@ -116,7 +117,8 @@ class PipelinedChiefStep:
             def plan_again():
                 # The chunks still waiting for this round give up; those
                 # applied stay applied (pipeline.py).
-                given_up = pipe.abort(step, plan.round) + [pipe.set_partial(1)]
+                given_up = chunk_apply.abort(pipe, step, plan.round) + [
+                    pipe.set_partial(1)]
                 with tf.control_dependencies(given_up):
                     return (rule.unfinished_round(step),
                             tf.zeros([replica_lib.NUM_STATS]))

@@ -21,7 +21,7 @@ A round of step t, r (trainer/sync/averaging.py plans it as before):
    would otherwise share the link among all of them and every chunk
    would arrive last); each lands in the worker's row of that chunk and
    puts (t, r, worker) on the chunk's arrival queue, on its ps.
-3. On each ps, the chief's loop resolves each chunk (`resolve`): once
+3. On each ps, the chief's loop resolves each chunk (chunk_apply.py): once
    every member of round r has arrived, it sums their rows in worker
    order, divides by the global batch and applies the optimizer to the
    chunk (trainer/learning/optim.ChunkUpdate), then tells every worker
@@ -173,12 +173,12 @@ class Pipeline:
         depth = DEPTH_PER_PS * len(set(self.devices))
         landed, values, valid, tokens = [], [], [], []
         for c, grad in enumerate(grads):
-            token_here, arrived = self._push_chunk(
+            (step_here, round_here), arrived = self._push_chunk(
                 c, worker, token, grad, stats if c == 0 else None,
                 after=landed[c - depth:c - depth + 1] if c >= depth else [])
             landed.append(arrived)
-            tokens.append(token_here)
-            value, done = self._pull_chunk(c, worker, token_here[1])
+            tokens.append((step_here, round_here))
+            value, done = self._pull_chunk(c, worker, round_here)
             values.append(value)
             valid.append(done)
         # Chunk c - depth had landed before chunk c left, so once the last
@@ -194,8 +194,9 @@ class Pipeline:
                     after: list) -> tuple:
         """Chunk c (and the token, and stats if given) into worker's row on
         its ps once `after` (worker ops) ran, then (step, round, worker) on
-        its arrivals. Returns (the token, int64 [4] on that ps; the arrival
-        op)."""
+        its arrivals. Returns ((step, round), int64 [] each on that ps, so
+        that no slice of them is computed on, and sent back by, the worker;
+        the arrival op)."""
         dtype = self.wire_dtype
         parts = [wire.to_wire(grad, dtype), wire.bits_to_wire(token, dtype)]
         sizes = [self.shared.shard_sizes[c],
@@ -216,10 +217,11 @@ class Pipeline:
                 writes.append(state_lib.set_at(
                     self.shared.stats, row, wire.bits_from_wire(
                         pieces[2], tf.float32, [NUM_STATS])))
+            step_here, round_here = token_here[0], token_here[1]
             with tf.control_dependencies(writes):
                 arrived = self.arrivals[c].enqueue(
-                    (token_here[0], token_here[1], tf.constant(worker)))
-        return token_here, arrived
+                    (step_here, round_here, tf.constant(worker)))
+        return (step_here, round_here), arrived
 
     def _pull_chunk(self, c: int, worker: int, round_) -> tuple:
         """Waits until chunk c is resolved for `round_` (int64 [] on its
@@ -251,106 +253,7 @@ class Pipeline:
             entries = queue.dequeue_many(tf.maximum(queue.size(), 1))
         return tf.equal(entries[-1], round_)
 
-    # --- The chief's side ---
-
-    def resolve(self, c: int, step, round_, members, given,
-                update, global_batch: int) -> tf.Operation:
-        """Chunk c's part of round `round_` of `step`, on its ps: waits for
-        every member's arrival (members, given: float32 [N] / bool [N]
-        from the plan) or the round's ABORT, applies the chunk unless
-        abandoned or applied already, and posts +round (-round) on the
-        ready queue of every worker given a token."""
-        with tf.device(self.devices[c]):
-            # Copies here, once per round: the loop below then reads none
-            # of them from ps 0.
-            step, round_, members = (tf.identity(step), tf.identity(round_),
-                                     tf.identity(members))
-            aborted = self._await_arrivals(c, step, round_, members)
-            apply_now = tf.logical_and(
-                tf.logical_not(aborted),
-                tf.not_equal(self.applied_for[c].read_value(), step))
-
-            def apply_chunk():
-                rows = tf.where(members > 0.5)[:, 0]
-                mean = tf.reduce_sum(self.shared.grads[c].sparse_read(rows),
-                                     axis=0) / float(global_batch)
-                var = self.flat.variables[c]
-                saved = self.prev[c].assign(var.read_value(),
-                                            read_value=False)
-                with tf.control_dependencies([saved]):
-                    applied = update.apply(step, mean, var)
-                with tf.control_dependencies([applied]):
-                    done = [self.applied_for[c].assign(step,
-                                                       read_value=False)]
-                    if c == 0:
-                        done += update.finish(step)
-                with tf.control_dependencies(done):
-                    return tf.constant(True)
-
-            resolved = tf.cond(apply_now, apply_chunk,
-                               lambda: tf.constant(False))
-            entry = tf.where(aborted, -round_, round_)
-            given_here = tf.identity(given)
-            with tf.control_dependencies([resolved]):
-                return tf.group([_put_if(queue, given_here[k], entry)
-                                 for k, queue in enumerate(self.ready[c])])
-
-    def _await_arrivals(self, c, step, round_, members):
-        """Takes chunk c's arrival entries until every member of (step,
-        round_) is in, or its ABORT. Returns bool [] aborted.
-
-        Nearly always the first `members` entries are exactly theirs, so
-        one dequeue of that many decides; a loop, entry by entry, runs only
-        after stale entries (a probe's push, late pushes of an abandoned
-        round, its leftover ABORTs)."""
-        queue, n = self.arrivals[c], self.shared.num_workers
-        needed = tf.cast(tf.reduce_sum(members), tf.int32)
-
-        def judge(for_step, for_round, worker):
-            """(fresh member pushes as float32 [N], ABORT seen: bool [])."""
-            this = tf.logical_and(tf.equal(for_step, step),
-                                  tf.equal(for_round, round_))
-            index = tf.maximum(worker, 0)
-            member = tf.logical_and(worker >= 0,
-                                    tf.gather(members, index) > 0.5)
-            fresh = tf.cast(tf.logical_and(this, member), tf.float32)
-            arrived = tf.reduce_max(
-                fresh[:, None] * tf.one_hot(index, n), axis=0)
-            return arrived, tf.reduce_any(tf.logical_and(
-                this, tf.equal(worker, ABORT)))
-
-        arrived, aborted = judge(*queue.dequeue_many(needed))
-
-        def entry_by_entry():
-            def open_(arrived, aborted):
-                return tf.logical_and(tf.reduce_sum(arrived) < tf.cast(
-                    needed, tf.float32), tf.logical_not(aborted))
-
-            def take(arrived, aborted):
-                more, abort_seen = judge(*[v[None] for v in queue.dequeue()])
-                return (tf.maximum(arrived, more),
-                        tf.logical_or(aborted, abort_seen))
-
-            return tf.while_loop(open_, take, [arrived, aborted],
-                                 parallel_iterations=1)[1]
-
-        complete = tf.equal(tf.reduce_sum(arrived),
-                            tf.cast(needed, tf.float32))
-        return tf.cond(tf.logical_or(complete, aborted),
-                       lambda: aborted, entry_by_entry)
-
-    def abort(self, step, round_) -> list:
-        """Ops putting (step, round_, ABORT) N times on every chunk's
-        arrivals: a resolve waiting for its members' entries all at once
-        then takes at least one ABORT whatever number it waits for."""
-        ops, n = [], self.shared.num_workers
-        for c, device in enumerate(self.devices):
-            with tf.device(device):
-                ops.append(self.arrivals[c].enqueue_many(
-                    (tf.fill([n], tf.cast(step, tf.int64)),
-                     tf.fill([n], tf.cast(round_, tf.int64)),
-                     tf.fill([n], ABORT))))
-        return ops
+    # --- The chief's side (the applies: trainer/sync/chunk_apply.py) ---
 
     def set_partial(self, value: int) -> tf.Operation:
         with tf.device(self.devices[0]):
@@ -380,6 +283,6 @@ def _split(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
     return pieces
 
 
-def _put_if(queue, when: tf.Tensor, value: tf.Tensor) -> tf.Operation:
+def put_if(queue, when: tf.Tensor, value: tf.Tensor) -> tf.Operation:
     """Enqueues `value` (int64 []) if `when` (bool []), without a cond."""
     return queue.enqueue_many(tf.fill([tf.cast(when, tf.int32)], value))
