@@ -6,7 +6,8 @@ here they are known to be valid. Every trainer builds them from here: the ps chi
 (a tf.compat.v1 optimizer applied on the ps tasks), the single-process
 baseline (the same optimizer in one process) and the MultiWorkerMirrored
 baseline (the same update kernels on a local flat variable, in eager mode).
-So all three update alike, bit for bit where their gradients agree.
+So all three update alike, bit for bit where their gradients agree
+(the pipelined protocol's per-chunk Adam, ChunkUpdate, to a few ulps).
 """
 
 import math

@@ -83,9 +83,15 @@ class PipelinedChiefStep:
     def loop_device(self, shared) -> str:
         return shared.shard_devices[0]
 
-    def unfinished(self) -> tf.Tensor:
-        """bool []: a step is half applied; the loop must finish it."""
-        return self.pipeline.partial.read_value() > 0
+    def unfinished(self, token) -> tf.Tensor:
+        """bool []: a step is half applied; the loop must finish it.
+
+        Read after `token`, the next step, which comes after the round's
+        verdict set the flag: otherwise the lowered loop reads it as the
+        last iteration starts, before the verdict."""
+        with tf.device(self.parts.shared.shard_devices[0]), \
+                tf.control_dependencies([token]):
+            return self.pipeline.partial.read_value() > 0
 
     def __call__(self, done, token, stats, *carry):
         parts, rule, pipe, step = self.parts, self.rule, self.pipeline, token[0]
@@ -109,10 +115,13 @@ class PipelinedChiefStep:
                 verdict = rule.admit(step, plan.round)
 
             def count_step():
-                # Count: steps and examples per worker, global step + 1.
-                with tf.control_dependencies([pipe.set_partial(0)]):
-                    return (rule.count_and_advance(step, []),
-                            rule.stats_of(verdict.rows))
+                # Count: steps and examples per worker, global step + 1,
+                # after the stats rows are read (the next round's pushes
+                # write them).
+                step_stats = rule.stats_of(verdict.rows)
+                with tf.control_dependencies([pipe.set_partial(0),
+                                              step_stats]):
+                    return rule.count_and_advance(step, []), step_stats
 
             def plan_again():
                 # The chunks still waiting for this round give up; those
@@ -161,7 +170,8 @@ class PipelinedWorkerStep:
         del shared
         return devices.worker_device(self.parts.k)
 
-    def unfinished(self):
+    def unfinished(self, token):
+        del token
         return None
 
     def __call__(self, done, token, stats, *carry):

@@ -75,8 +75,9 @@ class _WholeShardLoop:
         del start_token
         return []
 
-    def unfinished(self):
+    def unfinished(self, token):
         """bool [] that keeps the loop going past a halt, or None."""
+        del token
         return None
 
     def continues(self, token, carry):
@@ -179,7 +180,7 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
             continues = step_body.continues(token, list(carry))
             if continues is not None:
                 go = tf.logical_and(go, continues)
-            unfinished = step_body.unfinished()
+            unfinished = step_body.unfinished(token)
             if unfinished is not None:  # a half-applied step is finished
                 go = tf.logical_or(go, tf.logical_and(unfinished, in_run))
             return go

@@ -119,6 +119,8 @@ class RunCoordination:
             reset = [events.dequeue_many(events.size())[0].op,
                      self.stop_reason.assign("", read_value=False),
                      *self._release_waits()]
+            if self.pipeline:
+                reset.append(self.pipeline.new_rounds())
             return self.shared.give_all(state_lib.token(REJOIN), reset)
 
     def _release_waits(self) -> list:

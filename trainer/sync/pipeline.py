@@ -239,19 +239,25 @@ class Pipeline:
 
     def _wait_done(self, c: int, worker: int, round_: tf.Tensor):
         """bool [] on chunk c's ps: chunk c is final for `round_` (its
-        newest ready entry is +round_). Takes every entry there, waiting
-        for one: entries left from an earlier round (a worker restarted, a
-        loop that ended before pulling) go with it, and the answer is then
-        False, as for -round_ and RELEASE: the worker reads the chunks
-        afresh for its next piece. (A cond or loop here, on the ps inside
-        the worker's loop, cost control messages to the worker per chunk.)
+        entry is +round_); False for -round_ or RELEASE.
+
+        Rounds only grow, and every round before `round_` was resolved
+        before its token was handed out, so when this runs every entry of
+        an earlier round (a worker restarted, a token it skipped, a loop
+        that ended before pulling) is already queued. It takes all of
+        them, and if the newest is of an earlier round, exactly one more:
+        this round's. No cond or loop: on the ps inside the worker's loop
+        those cost control messages to the worker for every chunk.
         """
         queue = self.ready[c][worker]
         # Not before this round's push: the loop's next iteration would
         # otherwise take this one's entry (the dequeue has no input).
         with tf.control_dependencies([round_]):
-            entries = queue.dequeue_many(tf.maximum(queue.size(), 1))
-        return tf.equal(entries[-1], round_)
+            queued = queue.dequeue_many(tf.maximum(queue.size(), 1))
+        stale = tf.abs(queued[-1]) < round_
+        newest = tf.concat([queued, queue.dequeue_many(
+            tf.cast(stale, tf.int32))], axis=0)[-1]
+        return tf.equal(newest, round_)
 
     # --- The chief's side (the applies: trainer/sync/chunk_apply.py) ---
 
@@ -260,19 +266,31 @@ class Pipeline:
             return self.partial.assign(value, read_value=False)
 
     def release_all(self) -> list:
-        """At a chief's (re)start and stop: forgets every arrival and ready
-        entry, then lets any waiter through with an invalid pull."""
+        """At a chief's (re)start and stop: forgets every arrival (only the
+        chief's loop, stopped now, takes them) and puts RELEASE in every
+        ready queue, which lets a waiter through with an invalid pull.
+        Ready queues are not drained: a worker may be taking from them
+        (a drain could then block for good); the entries left are of
+        earlier rounds, which every wait skips (`_wait_done`)."""
         ops = []
         for c, device in enumerate(self.devices):
             with tf.device(device):
                 queue = self.arrivals[c]
-                drained = [queue.dequeue_many(queue.size())[0].op]
-                for ready in self.ready[c]:
-                    drained.append(ready.dequeue_many(ready.size()).op)
-                with tf.control_dependencies(drained):
-                    ops += [ready.enqueue(tf.constant(RELEASE, tf.int64))
-                            for ready in self.ready[c]]
+                ops.append(queue.dequeue_many(queue.size())[0].op)
+                ops += [ready.enqueue(tf.constant(RELEASE, tf.int64))
+                        for ready in self.ready[c]]
         return ops
+
+    def new_rounds(self) -> tf.Operation:
+        """At a chief's (re)start: round numbers go on from the clock (in
+        microseconds) rather than from 1, so that an entry a worker left
+        before the restart is always of an earlier round than any new
+        one, never taken for this round's."""
+        s = self.shared
+        with tf.device(self.devices[0]):
+            now = tf.cast(tf.timestamp() * 1e6, tf.int64)
+            return s.round.assign(tf.maximum(s.round.read_value(), now),
+                                  read_value=False)
 
 
 def _split(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
