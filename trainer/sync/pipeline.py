@@ -148,7 +148,11 @@ class Pipeline:
                                   self.prev[c].read_value(),
                                   self.flat.variables[c].read_value())
                 sent = wire.to_wire(before, self.wire_dtype)
-            values.append(wire.from_wire(sent))
+            # An op here, even for float32 (where from_wire is none): a
+            # loop variable's machinery sits where its first value was
+            # made, so a worker's carried chunk started on its ps would
+            # cross to the ps and back every step.
+            values.append(tf.identity(wire.from_wire(sent)))
         return values
 
     def exchange(self, worker: int, token: tf.Tensor, grads: list,
