@@ -241,6 +241,21 @@ def test_parse_rate(text, bps):
     assert hosts.parse_rate(text) == bps
 
 
+def test_machine_idle_share_reads_proc_stat(tmp_path):
+    from trainer.bench.simhosts import runs as sim_runs
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 50 0 0 0 30 0\ncpu0 1 2 3\n")
+    before = sim_runs.machine_cpu_times(str(stat))
+    assert before == (850, 1000)  # guest is inside user already
+    stat.write_text("cpu  400 0 150 1100 50 0 0 0 30 0\n")
+    after = sim_runs.machine_cpu_times(str(stat))
+    assert sim_runs.idle_share(before, after) == pytest.approx(300 / 700)
+    assert sim_runs.idle_share(after, after) == 0.0
+    now = sim_runs.machine_cpu_times()  # the real file parses
+    assert 0 <= now[0] <= now[1]
+
+
 @pytest.mark.parametrize("text", ["", "100", "fast", "1mbitx", "-1mbit",
                                   "50kbit", "100gbit"])
 def test_parse_rate_rejects(text):

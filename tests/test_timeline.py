@@ -133,6 +133,25 @@ def test_mean_breakdown_averages_and_formats():
     assert "compute 3.000 ms (20.0%)" in text
 
 
+def test_overlap_counts_only_pushes_and_pulls_on_the_way_together():
+    # The hand-made step pulls [11, 14), then pushes [20, 23): no overlap.
+    assert timeline.breakdown(_hand_made_step(), "/job:worker/task:0",
+                              is_chief=True)["overlap_ms"] == 0.0
+    # A second pull on another link [21, 22.5) and a 0-byte transfer over
+    # the push: 1.5 ms with the push. Two pushes at once count once.
+    metadata = _hand_made_step()
+    more = metadata.step_stats.dev_stats.add(device=WORKER)
+    _recv(more, "concat", 400_000, PS, 21, 22.5)
+    _recv(more, "concat", 0, PS, 19, 24)
+    extra_push = metadata.step_stats.dev_stats.add(device=PS)
+    _recv(extra_push, "grad", 4096, WORKER, 21.5, 22)
+    result = timeline.breakdown(metadata, "/job:worker/task:0", True)
+    assert result["overlap_ms"] == pytest.approx(1.5)
+    mean = timeline.mean_breakdown([result, dict(result, overlap_ms=0.5)])
+    assert mean["overlap_ms"] == pytest.approx(1.0)
+    assert "push/pull overlap 1.000 ms" in timeline.format_breakdown(mean)
+
+
 def test_aggregation_in_a_non_chief_trace_is_warned_about(caplog):
     timeline.breakdown(_hand_made_step(), "/job:worker/task:0",
                        is_chief=False)

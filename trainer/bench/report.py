@@ -21,12 +21,13 @@ EXTRA_COLUMNS = ("runs", "seeds", "test_accuracy_mean", "test_accuracy_min",
                  "ps_link_bound_ms", "pipelined_bound_ms",
                  "ring_bound_ms", "step_over_bound", "link_share",
                  "pushed_gradients", "distinct_slices", "ended_by_itself",
-                 "cpu_throttled",
+                 "cpu_throttled", "machine_idle",
                  "error",
                  "traced_step_ms",
                  "step_compute_ms", "step_pull_params_ms",
                  "step_push_grads_ms", "step_wait_others_ms",
-                 "step_aggregate_apply_ms", "step_other_ms")
+                 "step_aggregate_apply_ms", "step_other_ms",
+                 "step_overlap_ms")
 
 
 def emit(text: str) -> None:
@@ -110,6 +111,7 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         ("distinct slices", "distinct_slices", _cell),
         ("ended by itself", "ended_by_itself", _cell),
         ("CPU throttled", "cpu_throttled", _cell),
+        ("machine idle", "machine_idle", _cell),
         ("error", "error", _cell),
         ("traced step ms", "traced_step_ms", _cell),
         ("compute", "step_compute_ms", _cell),
@@ -118,6 +120,7 @@ def _table_columns(target_accuracy: float) -> list[tuple]:
         ("wait", "step_wait_others_ms", _cell),
         ("apply", "step_aggregate_apply_ms", _cell),
         ("other", "step_other_ms", _cell),
+        ("push/pull overlap", "step_overlap_ms", _cell),
     ]
 
 

@@ -49,7 +49,8 @@ def _breakdown_columns(breakdown: dict | None) -> dict:
         return {}
     return {"traced_step_ms": breakdown["step_ms"],
             **{f"step_{part}_ms": breakdown["ms"][part]
-               for part in BREAKDOWN_PARTS}}
+               for part in BREAKDOWN_PARTS},
+            "step_overlap_ms": breakdown.get("overlap_ms", 0.0)}
 
 
 @dataclasses.dataclass

@@ -218,9 +218,38 @@ def _sweep(events: list[_Event]) -> list[list]:
     return segments or [[times[0], times[0], "other"]]  # all of length 0
 
 
-def _with_shares(step_ms: float, ms: dict) -> dict:
+def _union(spans: list[tuple[int, int]]) -> list[list[int]]:
+    """Sorted, disjoint [start, end) covering the given spans."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def overlap_ns(events: list[_Event]) -> int:
+    """How long (ns) a push_grads transfer and a pull_params transfer were
+    both on the way, on any links: what the pipelined protocol
+    (--chunk_kb) is for. The sweep cannot show it, since it gives each
+    instant to one category; whole shards pull, then push, so theirs is
+    near 0. Times are each task's clock, as everywhere here."""
+    def spans(category):
+        return _union([(e.start_ns, e.end_ns) for e in events
+                       if e.is_transfer and e.size != 0
+                       and e.category == category and e.end_ns > e.start_ns])
+    push, pull, total = spans("push_grads"), spans("pull_params"), 0
+    for a_start, a_end in push:
+        for b_start, b_end in pull:
+            total += max(0, min(a_end, b_end) - max(a_start, b_start))
+    return total
+
+
+def _with_shares(step_ms: float, ms: dict, overlap_ms: float = 0.0) -> dict:
     share = {c: (v / step_ms if step_ms > 0 else 0.0) for c, v in ms.items()}
-    return {"step_ms": step_ms, "ms": ms, "share": share}
+    return {"step_ms": step_ms, "ms": ms, "share": share,
+            "overlap_ms": overlap_ms}
 
 
 def breakdown(run_metadata, worker_device_substring: str,
@@ -230,7 +259,9 @@ def breakdown(run_metadata, worker_device_substring: str,
     `worker_device_substring`: /key:value parts of the worker's device name
     ("/job:worker/task:1"); `is_chief` is only checked against the trace.
     Returns {"step_ms": first event start to last event end, all devices,
-    "ms": {category: ms}, "share": {category: fraction}}: ms sum to step_ms.
+    "ms": {category: ms}, "share": {category: fraction}, "overlap_ms": the
+    time pushes and pulls were both on the way (overlap_ns)}: ms sum to
+    step_ms.
     """
     events = _parse(run_metadata, "the RunMetadata")
     if not any(_device_matches(e.device, worker_device_substring)
@@ -247,7 +278,8 @@ def breakdown(run_metadata, worker_device_substring: str,
         logging.warning("The trace of non-chief %s shows %.3f ms of "
                         "aggregation/apply; is it the chief's trace?",
                         worker_device_substring, ms["aggregate_apply"])
-    return _with_shares((segments[-1][1] - segments[0][0]) / 1e6, ms)
+    return _with_shares((segments[-1][1] - segments[0][0]) / 1e6, ms,
+                        overlap_ns(events) / 1e6)
 
 
 def mean_breakdown(breakdowns: list[dict]) -> dict:
@@ -257,7 +289,8 @@ def mean_breakdown(breakdowns: list[dict]) -> dict:
     count = len(breakdowns)
     ms = {c: sum(b["ms"][c] for b in breakdowns) / count for c in CATEGORIES}
     step_ms = sum(b["step_ms"] for b in breakdowns) / count
-    return dict(_with_shares(step_ms, ms), num_steps=count)
+    overlap = sum(b.get("overlap_ms", 0.0) for b in breakdowns) / count
+    return dict(_with_shares(step_ms, ms, overlap), num_steps=count)
 
 
 def format_breakdown(result: dict) -> str:
@@ -266,7 +299,8 @@ def format_breakdown(result: dict) -> str:
     mean = f" (mean of {count} steps)" if count else ""
     return " | ".join([f"step {result['step_ms']:.3f} ms{mean}"] + [
         f"{c} {result['ms'][c]:.3f} ms ({100 * result['share'][c]:.1f}%)"
-        for c in CATEGORIES])
+        for c in CATEGORIES] + [
+        f"push/pull overlap {result.get('overlap_ms', 0.0):.3f} ms"])
 
 
 def _span(name: str, cat: str, pid: int, start_ns: int, end_ns: int,

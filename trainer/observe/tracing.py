@@ -79,7 +79,8 @@ def _merge(pieces: list[dict]) -> dict:
 def _per_step(breakdown: dict, count: int) -> dict:
     """A breakdown of `count` steps run in one loop, per step."""
     return {"step_ms": breakdown["step_ms"] / count,
-            "ms": {c: v / count for c, v in breakdown["ms"].items()}}
+            "ms": {c: v / count for c, v in breakdown["ms"].items()},
+            "overlap_ms": breakdown["overlap_ms"] / count}
 
 
 def _ranges(traces: list) -> str:

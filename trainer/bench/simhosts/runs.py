@@ -72,7 +72,7 @@ class Watches:
     hosts' CPU counters, so that `throttled()` covers training only."""
 
     def __init__(self, sim: HostSettings, hosts: list, worker_hosts: list):
-        self.hosts, self.start = hosts, None
+        self.hosts, self.start, self.machine_start = hosts, None, None
         last = len(worker_hosts) - 1
         self.straggler = (Straggler(worker_hosts[-1], sim.worker_cpu(last))
                           if sim.straggler and len(worker_hosts) > 1
@@ -83,11 +83,15 @@ class Watches:
             self.straggler(line)
         if self.start is None and progress_line.FIRST_STEP_DONE in line:
             self.start = {h.name: h.cpu_stat() for h in self.hosts}
+            self.machine_start = machine_cpu_times()
 
     def throttled(self) -> dict:
         """Column cpu_throttled: per host, the share of CFS periods since
         training began in which its budget ran out (the host had to wait),
-        e.g. "w0:35%;ps0:0%"; none if training never began."""
+        e.g. "w0:35%;ps0:0%"; and machine_idle, the share of the whole
+        machine's CPU time that was idle meanwhile (near 0: the machine,
+        not the hosts' budgets, limited the run); none if training never
+        began."""
         if self.start is None:
             return {}
         shares = []
@@ -96,7 +100,26 @@ class Watches:
             periods = max(now["nr_periods"] - then["nr_periods"], 1)
             throttled = now["nr_throttled"] - then["nr_throttled"]
             shares.append(f"{host.name}:{100 * throttled / periods:.0f}%")
-        return {"cpu_throttled": ";".join(shares)}
+        idle = idle_share(self.machine_start, machine_cpu_times())
+        return {"cpu_throttled": ";".join(shares),
+                "machine_idle": f"{100 * idle:.0f}%"}
+
+
+def machine_cpu_times(path: str = "/proc/stat") -> tuple[int, int]:
+    """(idle, total) jiffies of every core since boot, from the "cpu" line
+    of /proc/stat (idle counts iowait too)."""
+    with open(path) as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice]:
+    # guest time is already inside user and nice.
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def idle_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The idle share of the machine's CPU time between two
+    machine_cpu_times readings (0 if no time passed)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
 
 
 def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
