@@ -97,11 +97,12 @@ class PipelinedChiefStep:
         parts, rule, pipe, step = self.parts, self.rule, self.pipeline, token[0]
         # Plan: slices for the members, tokens to the others.
         plan = rule.plan_round(step)
-        # Resolve: on each ps, each chunk is applied once all are in.
-        resolved = [chunk_apply.resolve(pipe, c, step, plan.round,
-                                        plan.members, plan.given, self.update,
+        # Resolve: on each ps, each chunk is applied once all are in. The
+        # plan crosses to each ps once, packed.
+        heres = chunk_apply.round_on_each_ps(pipe, step, plan)
+        resolved = [chunk_apply.resolve(pipe, c, heres[device], self.update,
                                         parts.config.batch_size)
-                    for c in range(len(parts.flat.variables))]
+                    for c, device in enumerate(pipe.devices)]
         # Its own piece: with the chunks it pulled last round if that was
         # step - 1's last, else read afresh (after a round was abandoned).
         with tf.device(devices.worker_device(parts.k)):
@@ -124,20 +125,22 @@ class PipelinedChiefStep:
                     return rule.count_and_advance(step, []), step_stats
 
             def plan_again():
-                # The chunks still waiting for this round give up; those
-                # applied stay applied (pipeline.py).
-                given_up = chunk_apply.abort(pipe, step, plan.round) + [
-                    pipe.set_partial(1)]
-                with tf.control_dependencies(given_up):
+                with tf.control_dependencies([pipe.set_partial(1)]):
                     return (rule.unfinished_round(step),
                             tf.zeros([replica_lib.NUM_STATS]))
 
+            # Both branches are on ps 0 only (a branch reaching another ps
+            # costs it messages every round, taken or not).
             next_step, step_stats = tf.cond(verdict.complete, count_step,
                                             plan_again)
+            # Abandoned: the chunks still waiting for this round give up;
+            # those applied stay applied (pipeline.py).
+            given_up = chunk_apply.abort_unless(pipe, heres,
+                                                verdict.complete)
             # The next round is planned once every chunk of this one is
             # resolved: no chunk is applied while a round is planned.
             with tf.control_dependencies(pipeline_lib.group_by_device(
-                    resolved, parts.shared.shard_devices)):
+                    resolved + given_up, pipe.devices + pipe.devices)):
                 next_step = tf.identity(next_step)
             return (done + tf.cast(verdict.complete, tf.int64),
                     state_lib.token(next_step), stats + step_stats, *carry)
