@@ -36,6 +36,17 @@ def _follows(token: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
         tf.equal(token[0], label[0] + 1), tf.equal(token[1], label[1] + 1)))
 
 
+def _either(use_first: tf.Tensor, first: tf.Tensor,
+            second: tf.Tensor) -> tf.Tensor:
+    """`first` (float32 [n], n known) if use_first, else `second`
+    (float32 [n]); `second` is empty (float32 [0]) when not used. A
+    copy, no arithmetic, so the values are exact."""
+    n = first.shape[0]
+    both = tf.concat([first, second], axis=0)
+    start = tf.where(use_first, 0, n)
+    return tf.reshape(tf.slice(both, [start], [n]), [n])
+
+
 def pipelined_piece(parts: StepParts, pipeline: pipeline_lib.Pipeline,
                     token: tf.Tensor, values: list) -> tuple:
     """Worker k's piece of round token = (step, round, first, end) with
@@ -106,9 +117,11 @@ class PipelinedChiefStep:
         # Its own piece: with the chunks it pulled last round if that was
         # step - 1's last, else read afresh (after a round was abandoned).
         with tf.device(devices.worker_device(parts.k)):
-            values = tf.cond(_follows(plan.token, carry[-1]),
-                             lambda: list(carry[:-1]),
-                             lambda: pipe.read_for(step))
+            follows = _follows(plan.token, carry[-1])
+            fresh = pipe.read_unless(follows, [heres[device].step
+                                               for device in pipe.devices])
+            values = [_either(follows, carried, read)
+                      for carried, read in zip(carry[:-1], fresh)]
         pushed, carry = pipelined_piece(parts, pipe, plan.token, values)
         with tf.device(parts.shared.shard_devices[0]):
             # Admit: wait until every member pushed (or one left).

@@ -155,6 +155,31 @@ class Pipeline:
             values.append(tf.identity(wire.from_wire(sent)))
         return values
 
+    def read_unless(self, have: tf.Tensor, steps: list) -> list:
+        """read_for, but only where `have` (bool [] on the worker) is
+        False: then each chunk's value before steps[c] (int64 [] on chunk
+        c's ps) was applied, float32 [n_c]; else float32 [0] each. The
+        chief's loop reads afresh only after an abandoned round; a tf.cond
+        around read_for cost every ps its predicate, a pivot and dead
+        tensors each round, while this sends a flag and an empty tensor."""
+        values = []
+        for c, device in enumerate(self.devices):
+            with tf.device(device):
+                count = self.shared.shard_sizes[c] * (
+                    1 - tf.cast(have, tf.int32))
+                # Read once `have` is known, so after this round's plan:
+                # the lowered loop would otherwise run the reads early,
+                # before the chunks of the round before are applied.
+                with tf.control_dependencies([count]):
+                    before = tf.where(
+                        tf.equal(self.applied_for[c].read_value(), steps[c]),
+                        self.prev[c].read_value(),
+                        self.flat.variables[c].read_value())
+                sent = wire.to_wire(tf.slice(before, [0], [count]),
+                                    self.wire_dtype)
+            values.append(tf.identity(wire.from_wire(sent)))
+        return values
+
     def exchange(self, worker: int, token: tf.Tensor, grads: list,
                  stats: tf.Tensor) -> tuple:
         """Pushes worker's gradient chunks in order and pulls each back once
