@@ -92,3 +92,18 @@ def test_the_chunks_are_spread_over_the_ps_tasks_in_model_order():
     assert shards[0][0].name == "model/hidden/kernel"
     assert shards[0][0].start == 0
     assert len(pipeline.layout(TrainConfig(logdir="x", model="mlp"), 4)) == 4
+
+
+def test_either_picks_one_exactly_whichever_is_empty():
+    import numpy as np
+    import tensorflow as tf
+    from trainer.roles.pipelined_step import _either
+    carried = tf.constant([1.5, -0.0, 3e-38])
+    fresh = tf.constant([7.0, 8.0, 9.0])
+    empty = tf.zeros([0])
+    picked = [_either(tf.constant(True), carried, empty),
+              _either(tf.constant(False), carried, fresh)]
+    assert all(p.shape == [3] for p in picked)  # known, for the loop
+    first, second = [p.numpy() for p in picked]
+    assert first.tobytes() == carried.numpy().tobytes()  # -0.0 kept too
+    np.testing.assert_array_equal(second, fresh.numpy())
