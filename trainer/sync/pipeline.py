@@ -16,7 +16,7 @@ A round of step t, r (trainer/sync/averaging.py plans it as before):
 1. Every member computes its slice's gradient with the parameters it
    pulled at the end of its last round, if that round was r - 1 of step
    t - 1; otherwise (it was not in, or a round was abandoned) it reads
-   them afresh (`read_for`).
+   them afresh (`read_for`; in the chief's loop, `read_unless`).
 2. It pushes chunk 0, 1, ... with a few of them on the way (TCP
    would otherwise share the link among all of them and every chunk
    would arrive last); each lands in the worker's row of that chunk and
@@ -164,7 +164,8 @@ class Pipeline:
         c's ps) was applied, float32 [n_c]; else float32 [0] each. The
         chief's loop reads afresh only after an abandoned round; a tf.cond
         around read_for cost every ps its predicate, a pivot and dead
-        tensors each round, while this sends a flag and an empty tensor."""
+        tensors each round, while this sends a flag and an empty tensor
+        (pick between the two on the worker: pipelined_step._either)."""
         values = []
         for c, device in enumerate(self.devices):
             with tf.device(device):
@@ -173,13 +174,15 @@ class Pipeline:
                 # Read once `have` is known, so after this round's plan:
                 # the lowered loop would otherwise run the reads early,
                 # before the chunks of the round before are applied.
+                # Sliced before the select: no copy of the chunk on the
+                # ps in the rounds (nearly all) that read nothing.
                 with tf.control_dependencies([count]):
                     before = tf.where(
                         tf.equal(self.applied_for[c].read_value(), steps[c]),
-                        self.prev[c].read_value(),
-                        self.flat.variables[c].read_value())
-                sent = wire.to_wire(tf.slice(before, [0], [count]),
-                                    self.wire_dtype)
+                        tf.slice(self.prev[c].read_value(), [0], [count]),
+                        tf.slice(self.flat.variables[c].read_value(), [0],
+                                 [count]))
+                sent = wire.to_wire(before, self.wire_dtype)
             values.append(tf.identity(wire.from_wire(sent)))
         return values
 

@@ -86,12 +86,14 @@ class Watches:
             self.machine_start = machine_cpu_times()
 
     def throttled(self) -> dict:
-        """Column cpu_throttled: per host, the share of CFS periods since
-        training began in which its budget ran out (the host had to wait),
-        e.g. "w0:35%;ps0:0%"; and machine_idle, the share of the whole
-        machine's CPU time that was idle meanwhile (near 0: the machine,
-        not the hosts' budgets, limited the run); none if training never
-        began."""
+        """Column cpu_throttled: per host, the share of CFS periods from
+        the first step done until now (called once the run ended, so the
+        last evaluation and the shutdown count too) in which its budget
+        ran out (the host had to wait), e.g. "w0:35%;ps0:0%"; and
+        machine_idle, the share of every core's time (all the kernel
+        counts, whatever a cpuset allows) that was idle meanwhile (near
+        0: the machine, not the hosts' budgets, limited the run); none if
+        training never began."""
         if self.start is None:
             return {}
         shares = []
@@ -102,7 +104,7 @@ class Watches:
             shares.append(f"{host.name}:{100 * throttled / periods:.0f}%")
         idle = idle_share(self.machine_start, machine_cpu_times())
         return {"cpu_throttled": ";".join(shares),
-                "machine_idle": f"{100 * idle:.0f}%"}
+                "machine_idle": "" if idle is None else f"{100 * idle:.0f}%"}
 
 
 def machine_cpu_times(path: str = "/proc/stat") -> tuple[int, int]:
@@ -115,11 +117,12 @@ def machine_cpu_times(path: str = "/proc/stat") -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields[:8])
 
 
-def idle_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+def idle_share(before: tuple[int, int],
+               after: tuple[int, int]) -> float | None:
     """The idle share of the machine's CPU time between two
-    machine_cpu_times readings (0 if no time passed)."""
+    machine_cpu_times readings (None if no time passed)."""
     total = after[1] - before[1]
-    return (after[0] - before[0]) / total if total > 0 else 0.0
+    return (after[0] - before[0]) / total if total > 0 else None
 
 
 def _place_ps_run(net, sim: HostSettings, num_ps: int, workers: int):
