@@ -36,15 +36,15 @@ def _follows(token: tf.Tensor, label: tf.Tensor) -> tf.Tensor:
         tf.equal(token[0], label[0] + 1), tf.equal(token[1], label[1] + 1)))
 
 
-def _either(use_first: tf.Tensor, first: list, second: list) -> list:
-    """`first` (float32 [n_c] each) if use_first, else `second` (float32
-    [n_c] each, or [0] when not used). A tf.cond on the worker, with every
-    input on the worker: its output is there as soon as the chosen
-    branch's inputs are, so the piece does not wait for the empty reads
-    to come back from every ps. A copy, no arithmetic: values are exact."""
-    chosen = tf.cond(use_first, lambda: list(first), lambda: list(second))
-    return [tf.reshape(value, [kept.shape[0]])
-            for value, kept in zip(chosen, first)]
+def _either(use_first: tf.Tensor, first: tf.Tensor,
+            second: tf.Tensor) -> tf.Tensor:
+    """`first` (float32 [n], n known) if use_first, else `second`
+    (float32 [n]); `second` is empty (float32 [0]) when not used. A
+    copy, no arithmetic, so the values are exact."""
+    n = first.shape[0]
+    both = tf.concat([first, second], axis=0)
+    start = tf.where(use_first, 0, n)
+    return tf.reshape(tf.slice(both, [start], [n]), [n])
 
 
 def pipelined_piece(parts: StepParts, pipeline: pipeline_lib.Pipeline,
@@ -120,7 +120,8 @@ class PipelinedChiefStep:
             follows = _follows(plan.token, carry[-1])
             fresh = pipe.read_unless(follows, [heres[device].step
                                                for device in pipe.devices])
-            values = _either(follows, carry[:-1], fresh)
+            values = [_either(follows, carried, read)
+                      for carried, read in zip(carry[:-1], fresh)]
         pushed, carry = pipelined_piece(parts, pipe, plan.token, values)
         with tf.device(parts.shared.shard_devices[0]):
             # Admit: wait until every member pushed (or one left).
@@ -146,23 +147,16 @@ class PipelinedChiefStep:
             next_step, step_stats = tf.cond(verdict.complete, count_step,
                                             plan_again)
             # Abandoned: the chunks still waiting for this round give up;
-            # those applied stay applied (pipeline.py). The next plan does
-            # not wait for these: a chunk still waiting resolves only once
-            # its ABORT is in, and the ABORTs of a chunk already applied
-            # are stale entries to the next round's resolve, which skips
-            # them. They end with the stats, so before the loop does.
-            given_up = pipeline_lib.group_by_device(
-                chunk_apply.abort_unless(pipe, heres, verdict.complete),
-                pipe.devices)
+            # those applied stay applied (pipeline.py).
+            given_up = chunk_apply.abort_unless(pipe, heres,
+                                                verdict.complete)
             # The next round is planned once every chunk of this one is
             # resolved: no chunk is applied while a round is planned.
             with tf.control_dependencies(pipeline_lib.group_by_device(
-                    resolved, pipe.devices)):
+                    resolved + given_up, pipe.devices + pipe.devices)):
                 next_step = tf.identity(next_step)
-            with tf.control_dependencies(given_up):
-                stats = stats + step_stats
             return (done + tf.cast(verdict.complete, tf.int64),
-                    state_lib.token(next_step), stats, *carry)
+                    state_lib.token(next_step), stats + step_stats, *carry)
 
 
 class PipelinedWorkerStep:
