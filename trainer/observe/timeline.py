@@ -34,6 +34,7 @@ import re
 from absl import logging
 
 from trainer.observe import results
+from trainer.observe.overlap import overlap_ns
 from trainer.common.errors import UserError
 
 CATEGORIES = ("compute", "aggregate_apply", "pull_params", "push_grads",
@@ -216,34 +217,6 @@ def _sweep(events: list[_Event]) -> list[list]:
             segments.append([now, later, winner])
         segments[-1][1] = later
     return segments or [[times[0], times[0], "other"]]  # all of length 0
-
-
-def _union(spans: list[tuple[int, int]]) -> list[list[int]]:
-    """Sorted, disjoint [start, end) covering the given spans."""
-    merged = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
-def overlap_ns(events: list[_Event]) -> int:
-    """How long (ns) a push_grads transfer and a pull_params transfer were
-    both on the way, on any links: what the pipelined protocol
-    (--chunk_kb) is for. The sweep cannot show it, since it gives each
-    instant to one category; whole shards pull, then push, so theirs is
-    near 0. Times are each task's clock, as everywhere here."""
-    def spans(category):
-        return _union([(e.start_ns, e.end_ns) for e in events
-                       if e.is_transfer and e.size != 0
-                       and e.category == category and e.end_ns > e.start_ns])
-    push, pull, total = spans("push_grads"), spans("pull_params"), 0
-    for a_start, a_end in push:
-        for b_start, b_end in pull:
-            total += max(0, min(a_end, b_end) - max(a_start, b_start))
-    return total
 
 
 def _with_shares(step_ms: float, ms: dict, overlap_ms: float = 0.0) -> dict:
