@@ -28,6 +28,7 @@ from trainer.common.errors import RunFailed, UserError  # noqa: E402
 FLAGS = trainer_flags.FLAGS
 # Run before os._exit (which skips atexit): e.g. removing --firewall's rules.
 _AT_EXIT = []
+_JOB = []   # this task's job name, once known (flags, TF_CONFIG or Slurm)
 
 
 def main(argv) -> int:
@@ -36,6 +37,7 @@ def main(argv) -> int:
     signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
     try:
         task = trainer_flags.task_from_flags()
+        _JOB.append(task.job_name)
         config = trainer_flags.config_from_flags()
         validate(config, task.cluster.num_workers)
         if FLAGS.firewall:
@@ -119,10 +121,12 @@ def _fail(error: Exception, status: int) -> int:
     return status
 
 
-def _exit_now(why: str, status: int) -> None:
-    """Ends the process now. Checkpoints are safe: TensorFlow only points
-    `checkpoint` at a new one after it is fully written."""
-    logging.error("%s; exiting", why)
+def _exit_now(why: str | None, status: int) -> None:
+    """Ends the process now, saying `why` (None: a normal end) at error
+    level. Checkpoints are safe: TensorFlow only points `checkpoint` at a
+    new one after it is fully written."""
+    if why:
+        logging.error("%s; exiting", why)
     for cleanup in _AT_EXIT:
         cleanup()
     logging.flush()
@@ -133,7 +137,27 @@ def _exit_now(why: str, status: int) -> None:
 
 def run_main():
     """Console-script entry point."""
-    trainer_flags.run_command(main)
+    trainer_flags.run_command(_main_then_leave)
+
+
+def _main_then_leave(argv) -> int:
+    """Runs main, then ends the process with os._exit once its output is
+    flushed. Returning to the interpreter instead lets Python finalize while
+    daemon threads (a membership read, a round deadline's take, gRPC's own)
+    may still be inside a TensorFlow call against a ps that has just exited;
+    such a thread, returning into a finalizing interpreter, is unwound by
+    force through C++ frames that catch everything, and the process aborts
+    ("FATAL: exception not rethrown", status -6) after training succeeded.
+    Everything worth keeping is written by now: checkpoints, results.json,
+    the summaries (their writers are closed) and the export."""
+    status = main(argv)
+    if _JOB == ["ps"]:
+        # A ps returns normally: its gRPC server keeps answering while the
+        # interpreter winds down, so the chief's last messages to it (the
+        # end of training) get their replies. Leaving at once here left
+        # the chief's session.close() waiting forever on such a reply.
+        return status
+    _exit_now(None, status)
 
 
 if __name__ == "__main__":
