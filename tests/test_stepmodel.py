@@ -47,6 +47,16 @@ def test_pipelining_predicts_no_slower_steps():
         assert model.predict(p, pipelined=True) < model.predict(p)
 
 
+def test_a_chunked_run_is_fitted_on_the_bound_of_its_protocol():
+    whole = _points()[5]   # 4 workers, 2 ps, 100 Mbit/s
+    chunked = dataclasses.replace(
+        whole, config=dataclasses.replace(whole.config, chunk_kb=32))
+    assert chunked.link_ms() == whole.link_ms(pipelined=True)
+    assert chunked.link_ms() < whole.link_ms()
+    # Asked for explicitly (the predictions), either bound is given.
+    assert chunked.link_ms(pipelined=False) == whole.link_ms()
+
+
 def _write_benchmark(folder, points, straggler=False):
     rows = []
     for p in points:
