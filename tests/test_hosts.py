@@ -256,6 +256,45 @@ def test_machine_idle_share_reads_proc_stat(tmp_path):
     assert 0 <= now[0] <= now[1]
 
 
+class _CountingHost:
+    """A host whose CFS counters move by hand: 10 periods, `throttled` of
+    them throttled, at each step of `advance`."""
+
+    def __init__(self, name):
+        self.name, self.stat = name, {"nr_periods": 0, "nr_throttled": 0}
+
+    def advance(self, throttled):
+        self.stat = {"nr_periods": self.stat["nr_periods"] + 10,
+                     "nr_throttled": self.stat["nr_throttled"] + throttled}
+
+    def cpu_stat(self):
+        return dict(self.stat)
+
+
+def test_throttling_counts_training_only_not_the_final_evaluation():
+    from trainer.bench.simhosts import runs as sim_runs
+    from trainer.observe import progress_line
+    settings = sim_runs.HostSettings(0.3, 0.3, "1gbit")
+    w0, ps0 = _CountingHost("w0"), _CountingHost("ps0")
+    watches = sim_runs.Watches(settings, [w0, ps0], [w0])
+    w0.advance(10)                     # start-up: before training
+    watches("[worker0] I... progress.py:78] first step done in 0.4 s")
+    w0.advance(2)
+    ps0.advance(1)
+    watches("[worker0] " + progress_line.format_line(
+        5, 10, 0.5, 0.9, 100.0, 10.0, 0))       # not the last step
+    w0.advance(2)
+    watches("[worker0] " + progress_line.format_line(
+        10, 10, 0.5, 0.9, 100.0, 10.0, 0))      # the last step: the end
+    w0.advance(10)                     # the final evaluation and export
+    ps0.advance(10)
+    shares = watches.throttled()
+    # With the evaluation counted: w0 47%, ps0 55%.
+    assert shares["cpu_throttled"] == "w0:20%;ps0:10%"
+    assert shares["machine_idle"] == "" or shares["machine_idle"].endswith(
+        "%")
+
+
 @pytest.mark.parametrize("text", ["", "100", "fast", "1mbitx", "-1mbit",
                                   "50kbit", "100gbit"])
 def test_parse_rate_rejects(text):

@@ -68,11 +68,14 @@ class Straggler:
 
 class Watches:
     """What a simulated run watches in the leader's lines: once training
-    runs (its first step done), the straggler's cut (--straggler) and the
-    hosts' CPU counters, so that `throttled()` covers training only."""
+    runs (its first step done), the straggler's cut (--straggler); and the
+    hosts' CPU counters then and at the last step's progress line, so that
+    `throttled()` covers training only, not the final evaluation, export
+    and shutdown, which load the chief's host alone."""
 
     def __init__(self, sim: HostSettings, hosts: list, worker_hosts: list):
         self.hosts, self.start, self.machine_start = hosts, None, None
+        self.end, self.machine_end = None, None
         last = len(worker_hosts) - 1
         self.straggler = (Straggler(worker_hosts[-1], sim.worker_cpu(last))
                           if sim.straggler and len(worker_hosts) > 1
@@ -84,25 +87,31 @@ class Watches:
         if self.start is None and progress_line.FIRST_STEP_DONE in line:
             self.start = {h.name: h.cpu_stat() for h in self.hosts}
             self.machine_start = machine_cpu_times()
+        elif self.start is not None and self.end is None:
+            figures = progress_line.parse_progress_line(line)
+            if figures and figures["step"] >= figures["train_steps"]:
+                self.end = {h.name: h.cpu_stat() for h in self.hosts}
+                self.machine_end = machine_cpu_times()
 
     def throttled(self) -> dict:
         """Column cpu_throttled: per host, the share of CFS periods from
-        the first step done until now (called once the run ended, so the
-        last evaluation and the shutdown count too) in which its budget
-        ran out (the host had to wait), e.g. "w0:35%;ps0:0%"; and
-        machine_idle, the share of every core's time (all the kernel
-        counts, whatever a cpuset allows) that was idle meanwhile (near
-        0: the machine, not the hosts' budgets, limited the run); none if
-        training never began."""
+        the first step done until the last step's progress line (until now
+        if none came) in which its budget ran out (the host had to wait),
+        e.g. "w0:35%;ps0:0%"; and machine_idle, the share of every core's
+        time (all the kernel counts, whatever a cpuset allows) that was
+        idle meanwhile (near 0: the machine, not the hosts' budgets,
+        limited the run); none if training never began."""
         if self.start is None:
             return {}
         shares = []
         for host in self.hosts:
-            now, then = host.cpu_stat(), self.start[host.name]
+            then = self.start[host.name]
+            now = self.end[host.name] if self.end else host.cpu_stat()
             periods = max(now["nr_periods"] - then["nr_periods"], 1)
             throttled = now["nr_throttled"] - then["nr_throttled"]
             shares.append(f"{host.name}:{100 * throttled / periods:.0f}%")
-        idle = idle_share(self.machine_start, machine_cpu_times())
+        idle = idle_share(self.machine_start,
+                          self.machine_end or machine_cpu_times())
         return {"cpu_throttled": ";".join(shares),
                 "machine_idle": "" if idle is None else f"{100 * idle:.0f}%"}
 
