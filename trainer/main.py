@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 # TensorFlow's C++ runtime logs a spurious "failed call to cuInit" error on
 # CPU-only machines and much else; its real errors reach us as exceptions.
@@ -28,7 +29,6 @@ from trainer.common.errors import RunFailed, UserError  # noqa: E402
 FLAGS = trainer_flags.FLAGS
 # Run before os._exit (which skips atexit): e.g. removing --firewall's rules.
 _AT_EXIT = []
-_JOB = []   # this task's job name, once known (flags, TF_CONFIG or Slurm)
 
 
 def main(argv) -> int:
@@ -37,7 +37,6 @@ def main(argv) -> int:
     signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
     try:
         task = trainer_flags.task_from_flags()
-        _JOB.append(task.job_name)
         config = trainer_flags.config_from_flags()
         validate(config, task.cluster.num_workers)
         if FLAGS.firewall:
@@ -77,11 +76,11 @@ def main(argv) -> int:
     if error is None:
         if FLAGS.cluster == "kubernetes" and FLAGS.kubernetes_hold_after_end:
             kubernetes.hold_after_end()
-        return 0
+        return _leave(task, 0)
     if isinstance(error, UserError):
-        return _fail(error, 2)
+        return _leave(task, _fail(error, 2))
     if isinstance(error, RunFailed):
-        return _fail(error, 1)
+        return _leave(task, _fail(error, 1))
     raise error
 
 
@@ -121,7 +120,7 @@ def _fail(error: Exception, status: int) -> int:
     return status
 
 
-def _exit_now(why: str | None, status: int) -> None:
+def _exit_now(why: str | None, status: int) -> NoReturn:
     """Ends the process now, saying `why` (None: a normal end) at error
     level. Checkpoints are safe: TensorFlow only points `checkpoint` at a
     new one after it is fully written."""
@@ -135,29 +134,31 @@ def _exit_now(why: str | None, status: int) -> None:
     os._exit(status)
 
 
-def run_main():
-    """Console-script entry point."""
-    trainer_flags.run_command(_main_then_leave)
+def _leave(task, status: int) -> int:
+    """Ends a trained task with `status`: a worker (the chief too) with
+    os._exit once its output is flushed, a ps by returning.
 
-
-def _main_then_leave(argv) -> int:
-    """Runs main, then ends the process with os._exit once its output is
-    flushed. Returning to the interpreter instead lets Python finalize while
-    daemon threads (a membership read, a round deadline's take, gRPC's own)
-    may still be inside a TensorFlow call against a ps that has just exited;
-    such a thread, returning into a finalizing interpreter, is unwound by
-    force through C++ frames that catch everything, and the process aborts
+    Returning to the interpreter lets Python finalize while daemon threads
+    (a membership read, a round deadline's take, gRPC's own) may still be
+    inside a TensorFlow call against a ps that has just exited; such a
+    thread, returning into a finalizing interpreter, is unwound by force
+    through C++ frames that catch everything, and the process aborts
     ("FATAL: exception not rethrown", status -6) after training succeeded.
     Everything worth keeping is written by now: checkpoints, results.json,
-    the summaries (their writers are closed) and the export."""
-    status = main(argv)
-    if _JOB == ["ps"]:
-        # A ps returns normally: its gRPC server keeps answering while the
-        # interpreter winds down, so the chief's last messages to it (the
-        # end of training) get their replies. Leaving at once here left
-        # the chief's session.close() waiting forever on such a reply.
+    the summaries (their writers are closed) and the export.
+
+    A ps returns normally: its gRPC server keeps answering while the
+    interpreter winds down, so the chief's last messages to it (the end of
+    training) get their replies. Leaving at once there left the chief's
+    session.close() waiting forever on such a reply."""
+    if task.job_name == "ps":
         return status
     _exit_now(None, status)
+
+
+def run_main():
+    """Console-script entry point."""
+    trainer_flags.run_command(main)
 
 
 if __name__ == "__main__":
