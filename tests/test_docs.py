@@ -1,14 +1,14 @@
 """The documentation's pointers and lists against the code: every pointer
 to a README section, a docs page or an anchor names one that exists, and
-the README's list of flags every worker must share is what the handshake
-compares."""
+the lists of flags every worker must share (README, docs/deploying.md) are
+the settings TrainConfig declares WORKERS, which the handshake compares."""
 
 import pathlib
 import re
 
-from trainer.cluster.spec import Cluster, Task
-from trainer.common.config import TrainConfig
-from trainer.roles import graph
+import pytest
+
+from trainer.common import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SOURCES = ("trainer", "tests", "deploy")
@@ -91,15 +91,19 @@ def test_links_in_the_docs_name_existing_sections():
     assert not problems, "\n".join(problems)
 
 
-def test_readme_lists_the_flags_every_worker_must_share():
-    task = Task(Cluster(("a:1",), ("b:1",)), "worker", 0, "flags")
-    compared = {key for key in re.findall(r"(\w+)=", graph.fingerprint(
-        TrainConfig(logdir="x"), task, 10)) if key not in ("ps", "workers")}
-    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
-    sentence = re.search(r"Every worker must get the same training flags "
-                         r"\(([^)]*)\)", readme)
-    assert sentence, "the README no longer lists the shared flags"
+@pytest.mark.parametrize("page, opening", [
+    ("README.md", "Every worker must get the same training flags"),
+    ("docs/deploying.md", "Every worker must be given the same training flags"),
+])
+def test_the_docs_list_the_flags_every_worker_must_share(page, opening):
+    declared = set(config.shared_names(config.WORKERS))
+    text = re.sub(r"\s+", " ", (ROOT / page).read_text())
+    sentence = re.search(re.escape(opening) + r" \(([^)]*)\)", text)
+    assert sentence, f"{page} no longer lists the shared flags"
     listed = set(re.findall(r"`--(\w+)`", sentence[1]))
-    assert compared - {"train_steps"} <= listed
-    assert {"train_steps", "epochs"} <= listed
-    assert listed - {"epochs"} == compared
+    # --epochs too: it comes to train_steps, compared as resolved.
+    assert "epochs" in listed and "train_steps" in declared
+    assert listed - {"epochs"} == declared, (
+        f"{page} lists {sorted(listed - {'epochs'} - declared)} beyond the "
+        f"WORKERS fields of TrainConfig, and lacks "
+        f"{sorted(declared - listed)}")

@@ -1,16 +1,30 @@
 """A logdir's training settings (trainer/saving/settings.py): a rerun with
 other settings is refused naming each difference, more steps go on only
-when asked, an older logdir without the file is accepted."""
+when asked, an older logdir without the file is accepted. And the settings
+every worker must share (TrainConfig's WORKERS fields): a worker with
+another value is told the first that differs."""
 
+import dataclasses
 import json
 import pathlib
 
 import pytest
 import tensorflow as tf
 
+from trainer.cluster.spec import Cluster, Task
+from trainer.common import config as config_lib
 from trainer.common.config import TrainConfig
 from trainer.common.errors import UserError
+from trainer.roles import graph
+from trainer.roles import worker
 from trainer.saving import settings
+
+# The names settings.json has recorded since its format 1: older logdirs
+# are compared by them, so no CHECKPOINT field may lose or change its name.
+RECORDED_BY_OLDER_VERSIONS = ("model", "hidden_units", "optimizer",
+                              "learning_rate", "lr_schedule", "momentum",
+                              "train_steps", "batch_size", "seed",
+                              "wire_dtype")
 
 
 def write_checkpoint(logdir, step: int) -> None:
@@ -108,6 +122,39 @@ def test_older_logdir_without_the_file_is_accepted(tmp_path, caplog):
         settings.check_logdir_settings(config, 100)
     assert "no settings.json" in caplog.text
     assert recorded(config)["learning_rate"] == 0.5
+
+
+def test_older_logdirs_names_are_still_recorded_and_compared(tmp_path):
+    config = first_run(tmp_path)
+    assert set(RECORDED_BY_OLDER_VERSIONS) <= set(recorded(config))
+    assert set(recorded(config)) == set(settings.COMPARED)
+    older = {name: recorded(config)[name]
+             for name in RECORDED_BY_OLDER_VERSIONS}
+    assert settings.differences(older, recorded(config)) == []
+
+
+def test_the_handshake_names_the_worker_setting_that_differs():
+    """Every WORKERS field (and the resolved train_steps) is in the
+    fingerprint, and a worker whose value differs is told which; other
+    settings (the chief's alone) are not compared."""
+    task = Task(Cluster(("a:1",), ("b:1", "c:1")), "worker", 1, "flags")
+    base = TrainConfig(logdir="x")
+    chiefs = graph.fingerprint(base, task, 100)
+    for name in config_lib.shared_names(config_lib.WORKERS):
+        if name == "train_steps":
+            ours, was, now = graph.fingerprint(base, task, 150), 100, 150
+        else:
+            was = getattr(base, name)
+            now = (not was if isinstance(was, bool) else was + 1
+                   if isinstance(was, int) else
+                   {"cnn": "mlp", "float32": "bfloat16"}[was])
+            ours = graph.fingerprint(
+                dataclasses.replace(base, **{name: now}), task, 100)
+        assert worker._first_difference(chiefs, ours) == (  # noqa: SLF001
+            f"{name}={was}", f"{name}={now}")
+    assert chiefs.startswith("ps=a:1 workers=b:1,c:1 ")
+    assert graph.fingerprint(dataclasses.replace(
+        base, learning_rate=0.5, slices="equal"), task, 100) == chiefs
 
 
 def test_a_foreign_settings_file_is_one_line(tmp_path):

@@ -12,22 +12,40 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
 SLICES = ("balanced", "equal")            # trainer/sync/slices.py
 DEFAULT_EPOCHS = 12
 
+# The settings that must match, declared once, on TrainConfig's fields:
+# WORKERS: every worker must have the chief's (the handshake compares them,
+#   trainer/roles/graph.py; the README lists them as flags);
+# CHECKPOINT: a logdir's checkpoints were trained with them (a rerun that
+#   differs is refused, trainer/saving/settings.py, which records them by
+#   field name in settings.json).
+# train_steps stands for its resolved count, what --epochs comes to.
+WORKERS = "workers"
+CHECKPOINT = "checkpoint"
+
+
+def _shared(default, *kinds: str):
+    """A field whose value must match in each of `kinds`."""
+    return dataclasses.field(default=default, metadata={"shared": kinds})
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything one task needs besides the cluster description."""
 
     logdir: str
-    model: str = "cnn"
-    hidden_units: int = 128
-    batch_size: int = 128              # global: summed over the workers
-    optimizer: str = "adam"
-    learning_rate: float = 3e-3
-    lr_schedule: str = "cosine"        # cosine: decays to 0 at the last step
-    momentum: float = 0.9
-    train_steps: int | None = None     # global steps; or derived from epochs
+    model: str = _shared("cnn", WORKERS, CHECKPOINT)
+    hidden_units: int = _shared(128, WORKERS, CHECKPOINT)
+    # global: summed over the workers
+    batch_size: int = _shared(128, WORKERS, CHECKPOINT)
+    optimizer: str = _shared("adam", CHECKPOINT)
+    learning_rate: float = _shared(3e-3, CHECKPOINT)
+    # cosine: decays to 0 at the last step
+    lr_schedule: str = _shared("cosine", CHECKPOINT)
+    momentum: float = _shared(0.9, CHECKPOINT)
+    # global steps; or derived from epochs
+    train_steps: int | None = _shared(None, WORKERS, CHECKPOINT)
     epochs: float | None = None
-    seed: int = 0
+    seed: int = _shared(0, WORKERS, CHECKPOINT)
     data_dir: str | None = None        # None: $MNIST_DATA_DIR or data/
     download: bool = True
     data_url: str | None = None        # None: the public mirrors
@@ -35,7 +53,7 @@ class TrainConfig:
     eval_every: int = 500
     checkpoint_every: int = 500
     keep_checkpoints: int = 5
-    backup_workers: int = 0
+    backup_workers: int = _shared(0, WORKERS)
     min_workers: int = 1               # fewer in the roster: the run stops
     slices: str = "balanced"           # how the chief cuts the global batch
     intra_op_threads: int = 0          # 0: TensorFlow's default, all cores
@@ -43,8 +61,10 @@ class TrainConfig:
     startup_timeout_secs: float = 120.0
     worker_timeout_secs: float = 120.0
     trace_steps: str | None = None     # "A:B": trace global steps [A, B)
-    wire_dtype: str = "float32"        # parameters and gradients on links
-    ordered_pulls: bool = False        # workers read parameters in turn
+    # parameters and gradients on links
+    wire_dtype: str = _shared("float32", WORKERS, CHECKPOINT)
+    # workers read parameters in turn
+    ordered_pulls: bool = _shared(False, WORKERS)
     chunk_kb: int = 0                  # 0: whole shards; N: pipelined chunks
     continue_with_new_settings: bool = False  # more steps on a logdir
 
@@ -64,6 +84,22 @@ class TrainConfig:
             return self.train_steps
         epochs = DEFAULT_EPOCHS if self.epochs is None else self.epochs
         return max(1, math.ceil(epochs * (num_examples // self.batch_size)))
+
+
+def shared_names(kind: str) -> tuple[str, ...]:
+    """The fields declared `kind` (WORKERS or CHECKPOINT), in field order."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig)
+                 if kind in f.metadata.get("shared", ()))
+
+
+def shared_settings(config: TrainConfig, kind: str,
+                    train_steps: int) -> dict:
+    """name -> value of the settings declared `kind`, in field order, with
+    train_steps the resolved count of global steps."""
+    settings = {name: getattr(config, name) for name in shared_names(kind)}
+    if "train_steps" in settings:
+        settings["train_steps"] = train_steps
+    return settings
 
 
 # The smallest --chunk_kb: below it a chunk's fixed cost (a message, a

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster.spec import Task
-from trainer.common.config import TrainConfig
+from trainer.common.config import WORKERS, TrainConfig, shared_settings
 from trainer.learning import batches
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
@@ -30,15 +30,14 @@ from trainer.sync import transport as transport_lib
 
 
 def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
-    """What every worker must agree on with the chief."""
+    """What every worker must agree on with the chief: the cluster and the
+    settings TrainConfig declares WORKERS (trainer/common/config.py), as
+    words name=value, so that a worker can name the first that differs."""
     c = task.cluster
-    return (f"ps={','.join(c.ps)} workers={','.join(c.workers)} "
-            f"model={config.model} hidden_units={config.hidden_units} "
-            f"batch_size={config.batch_size} seed={config.seed} "
-            f"backup_workers={config.backup_workers} "
-            f"wire_dtype={config.wire_dtype} "
-            f"ordered_pulls={config.ordered_pulls} chunk_kb={config.chunk_kb} "
-            f"train_steps={train_steps}")
+    words = [f"ps={','.join(c.ps)}", f"workers={','.join(c.workers)}"]
+    words += [f"{name}={value}" for name, value in
+              shared_settings(config, WORKERS, train_steps).items()]
+    return " ".join(words)
 
 
 @dataclasses.dataclass

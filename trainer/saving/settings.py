@@ -23,18 +23,18 @@ import pathlib
 from absl import logging
 import tensorflow as tf
 
-from trainer.common.config import TrainConfig
+from trainer.common.config import (CHECKPOINT, TrainConfig, shared_names,
+                                   shared_settings)
 from trainer.common.errors import UserError, edge
 
 SETTINGS_FILE = "settings.json"
 FORMAT = 1
-# Compared in this order; a field this version's TrainConfig lacks is
-# skipped, so a field added later (e.g. "slices") only needs adding here.
-# Not --slices or the worker count: how the global batch is cut among the
-# workers does not change the result (trainer/sync/averaging.py).
-COMPARED = ("model", "hidden_units", "optimizer", "learning_rate",
-            "lr_schedule", "momentum", "train_steps", "batch_size", "seed",
-            "wire_dtype")
+# The TrainConfig fields declared CHECKPOINT (trainer/common/config.py),
+# compared in field order, recorded under their names. A name missing from
+# a recorded file (an older version's) is skipped. Not --slices or the
+# worker count: how the global batch is cut among the workers does not
+# change the result (trainer/sync/averaging.py).
+COMPARED = shared_names(CHECKPOINT)
 # Settings a run may change and go on from the checkpoint with, given
 # --continue_with_new_settings: more (or fewer) steps.
 CONTINUABLE = ("train_steps",)
@@ -46,10 +46,7 @@ CONTINUE_FLAG = "--continue_with_new_settings"
 
 def training_settings(config: TrainConfig, train_steps: int) -> dict:
     """The compared settings of `config`, with the resolved step count."""
-    settings = {name: getattr(config, name) for name in COMPARED
-                if hasattr(config, name)}
-    settings["train_steps"] = train_steps
-    return settings
+    return shared_settings(config, CHECKPOINT, train_steps)
 
 
 def differences(recorded: dict, current: dict) -> list[tuple[str, str]]:
