@@ -14,6 +14,7 @@ from tests import helpers
 from trainer.learning import data
 from trainer.learning import batches
 from trainer.learning import replica
+from trainer.common import config as config_lib
 from trainer.common.errors import UserError
 
 
@@ -198,8 +199,21 @@ def test_shard_bounds_unequal_slices():
 
 
 def test_batch_smaller_than_workers_is_rejected():
-    with pytest.raises(UserError, match="--batch_size=2 cannot be split"):
+    """By the config, naming the flag; shard_bounds only guards itself."""
+    with pytest.raises(UserError, match="--batch_size=2 is smaller than the "
+                                        "3 workers"):
+        config_lib.validate(config_lib.TrainConfig("x", batch_size=2), 3)
+    with pytest.raises(ValueError):
         batches.shard_bounds(2, 3)
+
+
+def test_batch_larger_than_the_training_set_is_rejected():
+    config = config_lib.TrainConfig("x", batch_size=51)
+    with pytest.raises(UserError, match="--batch_size=51 is larger than the "
+                                        "50 training examples"):
+        config.resolved_train_steps(50)
+    with pytest.raises(ValueError):
+        batches.steps_per_epoch(50, 51)
 
 
 def batches_of(num_workers, steps, n=100, batch=12, seed=3):

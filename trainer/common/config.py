@@ -79,7 +79,12 @@ class TrainConfig:
         return first, end
 
     def resolved_train_steps(self, num_examples: int) -> int:
-        """--train_steps, or --epochs (default 12) of full global batches."""
+        """--train_steps, or --epochs (default 12) of full global batches.
+        Raises UserError if --batch_size is more than the `num_examples`
+        training examples (known once the data is read)."""
+        if self.batch_size > num_examples:
+            raise UserError(f"--batch_size={self.batch_size} is larger than "
+                            f"the {num_examples} training examples")
         if self.train_steps is not None:
             return self.train_steps
         epochs = DEFAULT_EPOCHS if self.epochs is None else self.epochs
@@ -146,7 +151,9 @@ def _check_chunk_kb(config: TrainConfig) -> None:
 
 
 def validate(config: TrainConfig, num_workers: int) -> None:
-    """Raises UserError naming the first bad setting and how to fix it."""
+    """Raises UserError naming the first bad setting and how to fix it.
+    (A --batch_size above the training examples is refused once they are
+    read, by TrainConfig.resolved_train_steps.)"""
     if config.model not in MODELS:
         raise UserError(f"--model={config.model} is unknown; choose one of "
                         f"{', '.join(MODELS)}")

@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.learning.data import IMAGE_SIZE
-from trainer.common.errors import UserError
 
 
 # --- Batching and sharding (the same arithmetic on every worker) ---
@@ -21,12 +20,11 @@ def shard_bounds(global_batch: int, num_shards: int) -> list[tuple[int, int]]:
 
     The first `global_batch % num_shards` slices hold one example more, so
     sizes differ by at most one and the slices cover the batch exactly once.
+    A --batch_size smaller than the workers is refused by config.validate.
     """
     if num_shards < 1 or global_batch < num_shards:
-        raise UserError(
-            f"--batch_size={global_batch} cannot be split over {num_shards} "
-            "worker(s); the global batch needs at least one example per "
-            "worker")
+        raise ValueError(f"a global batch of {global_batch} has no slice of "
+                         f"at least one example for each of {num_shards}")
     base, extra = divmod(global_batch, num_shards)
     bounds, start = [], 0
     for k in range(num_shards):
@@ -37,10 +35,12 @@ def shard_bounds(global_batch: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 def steps_per_epoch(num_examples: int, global_batch: int) -> int:
-    """Full global batches per epoch; the remainder of an epoch is skipped."""
+    """Full global batches per epoch; the remainder of an epoch is skipped.
+    A --batch_size above the examples is refused by the config
+    (TrainConfig.resolved_train_steps, called once the data is read)."""
     if global_batch > num_examples:
-        raise UserError(f"--batch_size={global_batch} is larger than the "
-                        f"{num_examples} training examples")
+        raise ValueError(f"a global batch of {global_batch} is more than the "
+                         f"{num_examples} examples")
     return num_examples // global_batch
 
 
