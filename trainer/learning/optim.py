@@ -15,6 +15,7 @@ import math
 import tensorflow as tf
 
 from trainer.common.config import LR_SCHEDULES, OPTIMIZERS, TrainConfig
+from trainer.common.errors import UserError
 
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8
 
@@ -118,8 +119,13 @@ assert tuple(_RULES) == OPTIMIZERS
 
 
 def update_rule(config: TrainConfig):
-    """The rule config.optimizer names (checked by config.validate)."""
-    return _RULES[config.optimizer](config)
+    """The rule config.optimizer names; UserError naming the known ones
+    for a name _RULES lacks (config.validate refuses it first)."""
+    rule = _RULES.get(config.optimizer)
+    if rule is None:
+        raise UserError(f"--optimizer={config.optimizer} is unknown; choose "
+                        f"one of {', '.join(_RULES)}")
+    return rule(config)
 
 
 def make_optimizer(config: TrainConfig, rate) -> tf.compat.v1.train.Optimizer:
