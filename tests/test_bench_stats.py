@@ -1,6 +1,6 @@
 """The researcher's benchmark: seeds and spread, the chart as PNG, SVG and
-PDF, --replot, provenance, the two async variants and the Slurm placement
-of the peers' tasks."""
+PDF (its lines from the peers' registry), --replot, provenance, the two
+async variants and the Slurm placement of the peers' tasks."""
 
 import csv
 import importlib.util
@@ -9,8 +9,9 @@ import json
 import pytest
 
 from tests import helpers
-from trainer.bench import replot, report, runs, slurm_steps
+from trainer.bench import peers, replot, report, runs, slurm_steps
 from trainer.bench import rows as rows_lib
+from trainer.bench.baselines import peer as peer_lib
 from trainer.common.config import TrainConfig
 from trainer.observe import provenance, results
 
@@ -52,6 +53,23 @@ def test_rows_give_mean_min_max_over_seeds_and_the_median_run(tmp_path):
         assert (tmp_path / "results.svg").read_text().startswith("<?xml")
         assert (tmp_path / "results.pdf").read_bytes()[:5] == b"%PDF-"
         assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_a_new_peer_in_the_registry_gets_a_line_in_the_chart(monkeypatch):
+    """The chart's lines are the ps trainer's and those of every peer the
+    benchmark finds: a new peer module needs no change to the report."""
+    new = peer_lib.Peer(name="ring2", order=9, label="Ring v2, {} worker(s)",
+                        help="ring2 (a new peer)")
+    registry = {**peers.all_peers(), "ring2": new}
+    monkeypatch.setattr(peers, "all_peers", lambda: registry)
+    rows = [{"run": f"{kind}_{w}w", "kind": kind, "workers": w,
+             "test_accuracy": 0.9, "images_per_sec": 100.0 * w}
+            for kind in ("ring2", "ps", "mwms", "single") for w in (2, 1)]
+    rows.append({"run": "sro_1w", "kind": "sro", "workers": 1,
+                 "error": "sro_1w failed with statuses [1]"})
+    series = dict(report.chart_series(rows))
+    assert list(series) == ["this trainer (ps)", "MWMS", "Ring v2"]
+    assert [r["run"] for r in series["Ring v2"]] == ["ring2_1w", "ring2_2w"]
 
 
 def test_provenance_is_in_every_results_file():

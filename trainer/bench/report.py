@@ -7,6 +7,8 @@ import sys
 
 from absl import logging
 
+from trainer.bench import peers
+
 COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "train_time_secs", "images_per_sec", "efficiency",
            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb_max",
@@ -148,6 +150,23 @@ def _series(kind_rows: list[dict], column: str, scale: float = 1.0):
                [scale * r[f"{column}_max"] - v for v, r in zip(y, kind_rows)]]
 
 
+def chart_series(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(label, rows by worker count) of each line of the chart: the ps
+    trainer's, then every peer's the benchmark finds (peers.all_peers), each
+    that has rows without an error. The single process is a level line."""
+    kinds = [("ps", "this trainer (ps)")] + [
+        (name, peer.series_label())
+        for name, peer in peers.all_peers().items()]
+    series = []
+    for kind, label in kinds:
+        kind_rows = sorted((r for r in rows
+                            if r["kind"] == kind and "error" not in r),
+                           key=lambda r: r["workers"])
+        if kind_rows:
+            series.append((label, kind_rows))
+    return series
+
+
 def _plot(out: pathlib.Path, rows: list[dict]) -> None:
     """results.<png|svg|pdf>: accuracy and images/s against workers."""
     try:
@@ -160,20 +179,13 @@ def _plot(out: pathlib.Path, rows: list[dict]) -> None:
         return
     figure, (accuracy_axes, speed_axes) = pyplot.subplots(1, 2,
                                                           figsize=(11, 4))
-    for kind, label in (("ps", "this trainer (ps)"), ("mwms", "MWMS"),
-                        ("sro", "SyncReplicasOptimizer recipe"),
-                        ("async", "async (ParameterServerStrategy)"),
-                        ("async_split", "async, batch / N per update")):
-        kind_rows = sorted((r for r in rows
-                            if r["kind"] == kind and "error" not in r),
-                           key=lambda r: r["workers"])
-        if kind_rows:
-            workers = [r["workers"] for r in kind_rows]
-            for axes, column, scale in ((accuracy_axes, "test_accuracy", 100),
-                                        (speed_axes, "images_per_sec", 1)):
-                y, yerr = _series(kind_rows, column, scale)
-                axes.errorbar(workers, y, yerr=yerr, fmt="o-", capsize=4,
-                              label=label)
+    for label, kind_rows in chart_series(rows):
+        workers = [r["workers"] for r in kind_rows]
+        for axes, column, scale in ((accuracy_axes, "test_accuracy", 100),
+                                    (speed_axes, "images_per_sec", 1)):
+            y, yerr = _series(kind_rows, column, scale)
+            axes.errorbar(workers, y, yerr=yerr, fmt="o-", capsize=4,
+                          label=label)
     singles = [r for r in rows if r["kind"] == "single"]
     if singles:
         best = max(singles, key=lambda r: r["images_per_sec"])

@@ -51,6 +51,11 @@ class Peer:
     # (trainer/bench/peers.py): what `argv` runs.
     module: str = ""
 
+    def series_label(self) -> str:
+        """Its line in the benchmark's chart (trainer/bench/report.py),
+        which spans worker counts: the label without the count."""
+        return self.label.replace(", {} worker(s)", "").replace("{}", "N")
+
     def ps_tasks(self, num_ps: int) -> int:
         """ps tasks a run starts with --num_ps."""
         return num_ps if self.ps else 0
