@@ -88,6 +88,20 @@ def test_bad_flags(args, status, phrases):
     assert_one_line_error(main(*args, *extra), status, *phrases)
 
 
+def test_the_retired_chunk_kb_is_refused_naming_the_fix():
+    """An old script's --chunk_kb (the pipelined protocol, retired): one
+    line saying why and what to use instead."""
+    result = main("--job_name=worker", "--task_index=0", "--chunk_kb=64",
+                  "--ps_hosts=localhost:4001",
+                  "--worker_hosts=localhost:4002,localhost:4003")
+    assert_one_line_error(result, 2)
+    assert error_lines(result.stdout)[0].endswith(
+        "--chunk_kb was retired: the pipelined protocol lost on the cnn and "
+        "kept the mlp's gain only at 100 Mbit/s; drop the flag (whole "
+        "shards are the one protocol), and use --wire_dtype=bfloat16 to "
+        "halve the bytes on slow links")
+
+
 @pytest.mark.parametrize("command, args, phrases", [
     ("trainer.launch", ["--num_ps=0"],
      ["--num_ps=0", "0 is not a positive integer", "--helpshort"]),

@@ -46,8 +46,8 @@ def reference(tmp_path_factory, data):
 def cluster(tmp_path, data):
     made = []
 
-    def make(num_workers, *extra, num_ps=1):
-        c = helpers.ManualCluster(tmp_path, num_ps, num_workers, *FLAGS,
+    def make(num_workers, *extra):
+        c = helpers.ManualCluster(tmp_path, 1, num_workers, *FLAGS,
                                   f"--data_dir={data}", "--nodownload",
                                   f"--logdir={tmp_path / 'logs'}", *extra)
         made.append(c)
@@ -126,18 +126,12 @@ def joined_all(c, workers) -> None:
 
 # With ordered pulls too (a member's turns then come from the plan; the
 # unit tests in test_sync.py cover that), only with --runslow: CI's time.
-# With pipelined chunks (on two ps tasks, so the round's plan and its
-# ABORTs cross between them), the kill lands while chunks of a round are
-# applied on the ps: the round keeps them and replans the rest.
-@pytest.mark.parametrize("order, num_ps", [
-    ("", 1), ("--chunk_kb=512", 2),
-    pytest.param("--ordered_pulls", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("order", [
+    "", pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
 def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
-        cluster, tmp_path, reference, order, num_ps):
-    c = cluster(4, *filter(None, [order]), num_ps=num_ps)
-    ps = [f"ps{i}" for i in range(num_ps)]
-    for i in range(num_ps):
-        c.start("ps", i)
+        cluster, tmp_path, reference, order):
+    c = cluster(4, *filter(None, [order]))
+    c.start("ps", 0)
     for k in range(4):
         c.start("worker", k)
     joined_all(c, [1, 2, 3])
@@ -158,10 +152,10 @@ def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
         start_and_ask(c, [2])
     c.wait_for("worker0", r"worker 2 \(localhost:\d+\) joined at step "
                           r"([3-5]\d\d)")
-    assert [c.wait(n) for n in ("worker0", "worker1", "worker3", *ps,
-                                "worker2")] == [0] * (4 + num_ps)
-    assert c.starts == {**dict.fromkeys(ps, 0), "worker0": 0, "worker1": 0,
-                        "worker2": 1, "worker3": 0}
+    assert [c.wait(n) for n in ("worker0", "worker1", "worker3", "ps0",
+                                "worker2")] == [0] * 5
+    assert c.starts == {"ps0": 0, "worker0": 0, "worker1": 0, "worker2": 1,
+                        "worker3": 0}
     steps = steps_logged(c.log("worker0"))
     assert steps == sorted(steps)  # the global step never went back
     results = assert_exact(tmp_path / "logs", reference)

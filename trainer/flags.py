@@ -91,13 +91,10 @@ flags.DEFINE_boolean("ordered_pulls", False,
                      "bandwidth (docs/how-it-works.md#ordered-pulls). Not with "
                      "--backup_workers.")
 flags.DEFINE_integer("chunk_kb", 0,
-                     "0: each step pulls whole shards, then pushes them. N "
-                     "(at least 4): the pipelined protocol; parameters and "
-                     "gradients cross in chunks of at most N KiB, each ps "
-                     "applies a chunk once every worker's is in, and workers "
-                     "pull it while pushing the next (docs/how-it-works.md"
-                     "#pipelined-chunks). Not with --backup_workers or "
-                     "--ordered_pulls.")
+                     "Retired: it chose the pipelined protocol, and any "
+                     "value but 0 is now refused; every step pulls whole "
+                     "shards, then pushes them (docs/how-it-works.md"
+                     "#pipelined-chunks).")
 flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
 flags.DEFINE_integer("backup_workers", 0,
                      "Workers beyond the ones averaged per step; each step "

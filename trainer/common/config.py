@@ -65,7 +65,7 @@ class TrainConfig:
     wire_dtype: str = _shared("float32", WORKERS, CHECKPOINT)
     # workers read parameters in turn
     ordered_pulls: bool = _shared(False, WORKERS)
-    chunk_kb: int = 0                  # 0: whole shards; N: pipelined chunks
+    chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
@@ -107,9 +107,14 @@ def shared_settings(config: TrainConfig, kind: str,
     return settings
 
 
-# The smallest --chunk_kb: below it a chunk's fixed cost (a message, a
-# wait on its ps) outweighs its bytes on any link this trainer targets.
-MIN_CHUNK_KB = 4
+# --chunk_kb chose the pipelined protocol, retired by measurement
+# (docs/how-it-works.md#pipelined-chunks); the flag stays so that old
+# scripts get this line instead of absl's unknown-flag error.
+CHUNK_KB_RETIRED = (
+    "--chunk_kb was retired: the pipelined protocol lost on the cnn and "
+    "kept the mlp's gain only at 100 Mbit/s; drop the flag (whole shards "
+    "are the one protocol), and use --wire_dtype=bfloat16 to halve the "
+    "bytes on slow links")
 
 
 def _positive(name: str, value, kind=int):
@@ -131,29 +136,12 @@ def _check_trace_steps(text: str | None) -> None:
                         "steps with FIRST < END, e.g. 200:205")
 
 
-def _check_chunk_kb(config: TrainConfig) -> None:
-    """--chunk_kb: 0, or at least MIN_CHUNK_KB and not with the options
-    the pipelined protocol (trainer/sync/pipeline.py) does not support.
-    The upper bound, the model's size, is checked where the model is
-    known (pipeline.check_chunk_size)."""
-    if config.chunk_kb == 0:
-        return
-    if config.chunk_kb < MIN_CHUNK_KB:
-        raise UserError(
-            f"--chunk_kb={config.chunk_kb} is below {MIN_CHUNK_KB}: each "
-            "chunk costs a message and a wait whatever its size; use "
-            f"{MIN_CHUNK_KB} or more, or 0 to send whole shards")
-    for name in ("backup_workers", "ordered_pulls"):
-        if getattr(config, name):
-            raise UserError(
-                f"--chunk_kb and --{name} do not mix: a pipelined chunk is "
-                "applied once every member's is in; drop one")
-
-
 def validate(config: TrainConfig, num_workers: int) -> None:
     """Raises UserError naming the first bad setting and how to fix it.
     (A --batch_size above the training examples is refused once they are
     read, by TrainConfig.resolved_train_steps.)"""
+    if config.chunk_kb:
+        raise UserError(CHUNK_KB_RETIRED)
     if config.model not in MODELS:
         raise UserError(f"--model={config.model} is unknown; choose one of "
                         f"{', '.join(MODELS)}")
@@ -200,7 +188,6 @@ def validate(config: TrainConfig, num_workers: int) -> None:
         raise UserError(
             "--ordered_pulls and --backup_workers do not mix: a late worker "
             "would hold back the pulls of every worker after it; drop one")
-    _check_chunk_kb(config)
     if config.batch_size < num_workers:
         raise UserError(
             f"--batch_size={config.batch_size} is smaller than the "

@@ -6,8 +6,7 @@ here they are known to be valid. Every trainer builds them from here: the ps chi
 (a tf.compat.v1 optimizer applied on the ps tasks), the single-process
 baseline (the same optimizer in one process) and the MultiWorkerMirrored
 baseline (the same update kernels on a local flat variable, in eager mode).
-So all three update alike, bit for bit where their gradients agree
-(the pipelined protocol's per-chunk Adam, ChunkUpdate, to a few ulps).
+So all three update alike, bit for bit where their gradients agree.
 """
 
 import math
@@ -132,56 +131,6 @@ def make_optimizer(config: TrainConfig, rate) -> tf.compat.v1.train.Optimizer:
     """The tf.compat.v1 optimizer of config.optimizer; `rate` is a float, a
     float32 [] tensor or a function returning one."""
     return update_rule(config).optimizer(rate)
-
-
-class ChunkUpdate:
-    """The same update, one chunk at a time (the pipelined protocol): each
-    ps applies a chunk as soon as its gradients are in, so the chunks of a
-    step are applied by separate ops in no fixed order.
-
-    The kernels are the optimizer's own (so the update is the same,
-    elementwise), on the slots the optimizer made. Adam's bias corrections
-    come from the step, beta^(step + 1), and not from the optimizer's
-    beta-power variables, which it advances once per apply_gradients and
-    which chunks applied out of order would advance once per chunk;
-    `finish` keeps those variables what the optimizer would hold, for
-    checkpoints.
-    """
-
-    def __init__(self, config: TrainConfig, update: "ScheduledUpdate",
-                 train_steps: int):
-        self.config, self.train_steps = config, train_steps
-        self.optimizer = update.optimizer
-
-    def apply(self, step: tf.Tensor, grad: tf.Tensor, var) -> tf.Operation:
-        """var -= the update of global step `step` (int64 []) for `grad`
-        (float32, var's shape); build it on var's device."""
-        rate = learning_rate(self.config, step, self.train_steps)
-        slot = self.optimizer.get_slot
-        name = self.config.optimizer
-        if name == "sgd":
-            return tf.raw_ops.ResourceApplyGradientDescent(
-                var=var.handle, alpha=rate, delta=grad)
-        if name == "momentum":
-            return tf.raw_ops.ResourceApplyMomentum(
-                var=var.handle, accum=slot(var, "momentum").handle, lr=rate,
-                grad=grad, momentum=self.config.momentum)
-        power = tf.cast(step + 1, tf.float32)
-        return tf.raw_ops.ResourceApplyAdam(
-            var=var.handle, m=slot(var, "m").handle, v=slot(var, "v").handle,
-            beta1_power=tf.pow(ADAM_BETA1, power),
-            beta2_power=tf.pow(ADAM_BETA2, power), lr=rate, beta1=ADAM_BETA1,
-            beta2=ADAM_BETA2, epsilon=ADAM_EPSILON, grad=grad)
-
-    def finish(self, step: tf.Tensor) -> list:
-        """Ops setting Adam's beta powers to what they are after global step
-        `step` (int64 []) is applied; none for the other rules."""
-        if self.config.optimizer != "adam":
-            return []
-        power = tf.cast(step + 2, tf.float32)
-        beta1, beta2 = self.optimizer._get_beta_accumulators()  # noqa: SLF001
-        return [beta1.assign(tf.pow(ADAM_BETA1, power), read_value=False),
-                beta2.assign(tf.pow(ADAM_BETA2, power), read_value=False)]
 
 
 class ScheduledUpdate:

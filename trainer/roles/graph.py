@@ -17,13 +17,11 @@ from trainer.common.config import WORKERS, TrainConfig, shared_settings
 from trainer.learning import batches
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
-from trainer.roles import pipelined_step
 from trainer.roles import step as step_lib
 from trainer.learning import optim
 from trainer.saving.checkpoints import checkpoint_saver
 from trainer.sync import averaging
 from trainer.sync import coordination
-from trainer.sync import pipeline as pipeline_lib
 from trainer.sync import pull_turns as pull_turns_lib
 from trainer.sync import state as state_lib
 from trainer.sync import transport as transport_lib
@@ -117,22 +115,18 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
     cluster, k = task.cluster, task.task_index
     graph = tf.Graph()
     with graph.as_default():
-        layout = pipeline_lib.layout(config, cluster.num_ps)
+        layout = params_lib.plan_shards(replica_lib.model_specs(config),
+                                        cluster.num_ps)
         with tf.compat.v1.device(devices.variable_placement(cluster.num_ps,
                                                             k)):
             flat = params_lib.FlatParams(layout)
-            # Shard i (a chunk with --chunk_kb) lives on ps i mod num_ps.
-            shard_devices = [devices.ps_device(i % cluster.num_ps)
-                             for i in flat.ps_indices]
+            shard_devices = [devices.ps_device(i) for i in flat.ps_indices]
             shared = state_lib.SharedState(cluster.num_workers, flat.sizes,
                                            shard_devices)
             turns = pull_turns_lib.PullTurns(
                 cluster.num_workers, shard_devices, config.ordered_pulls)
-            pipeline = (pipeline_lib.Pipeline(shared, flat, config.wire_dtype)
-                        if config.chunk_kb else None)
             coord = coordination.RunCoordination(
-                shared, turns, fingerprint(config, task, train_steps),
-                pipeline)
+                shared, turns, fingerprint(config, task, train_steps))
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
@@ -149,11 +143,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.backup_workers,
                                            config.slices, turns)
                 update = optim.ScheduledUpdate(config, train_steps)
-                step_body = _chief_step(config, parts, rule, update,
-                                        pipeline, train_steps)
-            elif pipeline:
-                step_body = pipelined_step.PipelinedWorkerStep(parts,
-                                                               pipeline)
+                step_body = step_lib.ChiefStep(parts, rule, update)
             else:
                 step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
@@ -167,19 +157,6 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                             _worker_handles(shared, coord, k), chief)
         graph.finalize()
     return g
-
-
-def _chief_step(config, parts, rule, update, pipeline, train_steps: int):
-    """The chief's step body: whole shards, or pipelined chunks."""
-    if not pipeline:
-        return step_lib.ChiefStep(parts, rule, update)
-    # Built, never run: it makes the optimizer's slots for every chunk,
-    # which ChunkUpdate applies to and checkpoints hold.
-    with tf.device(parts.shared.shard_devices[0]):
-        step = parts.shared.global_step.read_value()
-    update.apply(step, [(tf.zeros_like(v), v) for v in parts.flat.variables])
-    return pipelined_step.PipelinedChiefStep(
-        parts, rule, optim.ChunkUpdate(config, update, train_steps), pipeline)
 
 
 def _worker_handles(shared: state_lib.SharedState,

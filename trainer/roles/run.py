@@ -21,13 +21,11 @@ from trainer.cluster.spec import Task, split_address
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import edge
 from trainer.roles.worker import Worker
-from trainer.sync import pipeline
 
 
 def run(config: TrainConfig, task: Task) -> None:
     """Runs this task to the end of training; raises UserError/RunFailed."""
     validate(config, task.cluster.num_workers)
-    pipeline.check_chunk_size(config)
     check_port_free(task)
     if task.job_name == "ps":
         ps.serve(config, task, start_server(config, task))

@@ -67,33 +67,7 @@ def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
         return tf.group([pushed, *passed])
 
 
-class _WholeShardLoop:
-    """What training_loop asks of a step body beyond the step itself."""
-
-    def initial_carry(self, start_token) -> list:
-        """Loop variables beyond (done, token, stats): none here."""
-        del start_token
-        return []
-
-    def unfinished(self, token):
-        """bool [] that keeps the loop going past a halt, or None."""
-        del token
-        return None
-
-    def continues(self, token, carry):
-        """bool [] that the next piece (token) can go on in this loop, or
-        None (always)."""
-        del token, carry
-        return None
-
-    def loop_device(self, shared: state_lib.SharedState) -> str:
-        """Where the loop's control nodes and condition live: ps 0, with
-        the step, so that per step only the condition, the parameters and
-        the gradients cross between the worker and ps 0."""
-        return shared.shard_devices[0]
-
-
-class ChiefStep(_WholeShardLoop):
+class ChiefStep:
     """The chief's step: plan a round, its own piece, then the update of
     the step if every member pushed, else the same step again."""
 
@@ -131,7 +105,7 @@ class ChiefStep(_WholeShardLoop):
                     state_lib.token(next_step), stats + step_stats)
 
 
-class WorkerStep(_WholeShardLoop):
+class WorkerStep:
     """Any other worker's piece of a step, then its next token."""
 
     def __init__(self, parts: StepParts):
@@ -161,35 +135,29 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
     [3] sums: examples averaged, loss sum, correct; zeros off the chief)
     and, on the chief, dropped (int64 [], stale gradients so far).
     """
-    # Every iteration, the device of the loop's control nodes sends the
-    # condition to every other device with nodes in the loop.
-    with tf.device(step_body.loop_device(shared)):
+    # The loop's control nodes (and so its condition) live on ps 0 with the
+    # step: per step only the condition, the parameters and the gradients
+    # cross between the worker and ps 0.
+    with tf.device(shared.shard_devices[0]):
         max_steps = tf.identity(num_steps)
 
-        def keep_going(done, token, stats, *carry):
+        def keep_going(done, token, stats):
             del stats
             step = token[0]
-            in_run = tf.logical_and(step >= 0, step < train_steps)
-            go = tf.logical_and(done < max_steps, in_run)
+            go = tf.logical_and(done < max_steps,
+                                tf.logical_and(step >= 0, step < train_steps))
             if is_chief:
                 # No step with fewer than --min_workers, and none after the
                 # Python side asked to halt.
                 go = tf.logical_and(go, tf.logical_and(
                     tf.equal(shared.halt.read_value(), 0),
                     tf.reduce_sum(shared.roster.read_value()) >= min_workers))
-            continues = step_body.continues(token, list(carry))
-            if continues is not None:
-                go = tf.logical_and(go, continues)
-            unfinished = step_body.unfinished(token)
-            if unfinished is not None:  # a half-applied step is finished
-                go = tf.logical_or(go, tf.logical_and(unfinished, in_run))
             return go
 
-        done, next_token, stats, *_ = tf.while_loop(
+        done, next_token, stats = tf.while_loop(
             keep_going, step_body,
             [tf.constant(0, tf.int64), tf.identity(start_token),
-             tf.zeros([replica_lib.NUM_STATS])]
-            + step_body.initial_carry(start_token),
+             tf.zeros([replica_lib.NUM_STATS])],
             parallel_iterations=LOOP_PARALLEL_ITERATIONS)
     outputs = {"steps_done": done, "next_token": next_token, "stats": stats}
     if is_chief:

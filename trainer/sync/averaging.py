@@ -59,16 +59,6 @@ class Verdict:
     rows: tf.Tensor       # int64 [R]: the admitted workers
 
 
-@dataclasses.dataclass
-class Plan:
-    """A planned round (tensors on ps 0)."""
-
-    token: tf.Tensor      # int64 [4]: the chief's own
-    round: tf.Tensor      # int64 []
-    members: tf.Tensor    # float32 [N]: 1 where averaged in this round
-    given: tf.Tensor      # bool [N]: handed a token (members and a probe)
-
-
 class Averaging:
     """The rule over a SharedState; the chief runs all of it."""
 
@@ -84,10 +74,6 @@ class Averaging:
         """Starts a round of step `step` (int64 []): slices for the roster,
         tokens to the other members (and a probe to a laggard). Returns
         the chief's token (int64 [4])."""
-        return self.plan_round(step).token
-
-    def plan_round(self, step: tf.Tensor) -> Plan:
-        """plan(), with who is in the round (for the pipelined protocol)."""
         s = self.shared
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
@@ -121,9 +107,7 @@ class Averaging:
                         for k in range(1, s.num_workers)]
                 sent += self.pull_turns.cover_absent(step, members)
             with tf.control_dependencies(writes + sent):
-                return Plan(state_lib.token(step, round_, cut[0, 0],
-                                            cut[0, 1]), round_, members,
-                            given)
+                return state_lib.token(step, round_, cut[0, 0], cut[0, 1])
 
     def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
         """Token (step, round, cut) into worker k's queue if `given` (bool
@@ -254,18 +238,14 @@ class Averaging:
           stats: float32 [3], summed over the admitted workers.
         """
         s = self.shared
-        stats = self.stats_of(rows)
+        with tf.device(self.device):
+            stats = tf.reduce_sum(s.stats.sparse_read(rows), axis=0)
         mean_grads = []
         for grads, device in zip(s.grads, s.shard_devices):
             with tf.device(device):
                 mean_grads.append(
                     tf.reduce_sum(grads.sparse_read(rows), axis=0) / stats[0])
         return mean_grads, stats
-
-    def stats_of(self, rows: tf.Tensor) -> tf.Tensor:
-        """float32 [3]: the stats rows of `rows`, summed (on ps 0)."""
-        with tf.device(self.device):
-            return tf.reduce_sum(self.shared.stats.sparse_read(rows), axis=0)
 
     def count_and_advance(self, step: tf.Tensor, after: list) -> tf.Tensor:
         """After `after` (the update): counts the admitted workers and sets

@@ -41,18 +41,15 @@ class RunCoordination:
     averaging. Every worker builds it alike, under ps 0's device."""
 
     def __init__(self, shared: state_lib.SharedState, pull_turns,
-                 fingerprint: str, pipeline=None):
+                 fingerprint: str):
         """
         Args:
           shared: the protocol's state; its ps 0 also holds ours.
           pull_turns: the ordered pulls' turns (released on start, stop).
           fingerprint: text that describes the cluster and the run; every
             worker compares its own with the chief's before training.
-          pipeline: the pipelined protocol's chunk state (its waits are
-            released on start and stop), or None.
         """
         self.shared, self.pull_turns = shared, pull_turns
-        self.pipeline = pipeline
         self.device = device = shared.shard_devices[0]
         self.fingerprint = fingerprint
         with tf.device(device):
@@ -118,16 +115,8 @@ class RunCoordination:
             events = self.shared.events
             reset = [events.dequeue_many(events.size())[0].op,
                      self.stop_reason.assign("", read_value=False),
-                     *self._release_waits()]
-            if self.pipeline:
-                reset.append(self.pipeline.new_rounds())
+                     *self.pull_turns.release_all()]
             return self.shared.give_all(state_lib.token(REJOIN), reset)
-
-    def _release_waits(self) -> list:
-        """Ops letting through every worker waiting for a pull turn or a
-        pipelined chunk."""
-        return self.pull_turns.release_all() + (
-            self.pipeline.release_all() if self.pipeline else [])
 
     def mark_ready_op(self) -> tf.Operation:
         return self.cluster_fingerprint.initializer
@@ -136,7 +125,7 @@ class RunCoordination:
         """Tells every worker to stop, with a reason they will log."""
         with tf.device(self.device):
             told = [self.stop_reason.assign(reason, read_value=False),
-                    *self._release_waits()]
+                    *self.pull_turns.release_all()]
             return self.shared.give_all(state_lib.token(STOP), told)
 
     def end_op(self) -> tf.Operation:
