@@ -170,25 +170,6 @@ def test_the_ps_link_bound():
         pytest.approx(halves_ms, rel=1e-4)
 
 
-def test_the_pipelined_bound():
-    """The busiest link direction's bytes over its rate: max(N x S, P)
-    separate, half the sequential bound with N shards on N ps hosts; the
-    colocated hosts' links already carry the ring's bytes each way."""
-    mlp = TrainConfig(logdir="x", model="mlp")  # 101,770 parameters
-    model_ms = 1000 * 101_770 * 4 * 8 / 100e6
-    assert bound.pipelined_bound_ms(mlp, 4, 4, int(100e6)) == \
-        pytest.approx(model_ms, rel=1e-3)
-    assert bound.pipelined_bound_ms(mlp, 4, 4, int(100e6)) == pytest.approx(
-        bound.ps_link_bound_ms(mlp, 4, 4, int(100e6)) / 2, rel=1e-3)
-    assert bound.pipelined_bound_ms(mlp, 1, 4, int(100e6)) == \
-        pytest.approx(4 * model_ms)
-    for num_ps in (2, 4):
-        assert bound.pipelined_bound_ms(
-            mlp, num_ps, 4, int(100e6), "colocated") == pytest.approx(
-                bound.ps_link_bound_ms(mlp, num_ps, 4, int(100e6),
-                                       "colocated"))
-
-
 def test_every_peer_runs_and_says_how_it_ended(tmp_path):
     """mwms, sro and async beside the ps trainer, two workers each: every
     row, the x mwms ratio, the recipe's pushes and who the benchmark had to

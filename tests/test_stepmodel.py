@@ -40,23 +40,6 @@ def test_the_fit_recovers_the_coefficients_of_exact_steps():
     assert sum(line.startswith("| 128 |") for line in lines) == 2
 
 
-def test_pipelining_predicts_no_slower_steps():
-    model, ref = stepmodel.Model(("cnn", "mlp"), TRUE), _points()[5]
-    for workers in stepmodel.PREDICT_WORKERS:
-        p = dataclasses.replace(ref, workers=workers, num_ps=workers // 2)
-        assert model.predict(p, pipelined=True) < model.predict(p)
-
-
-def test_a_chunked_run_is_fitted_on_the_bound_of_its_protocol():
-    whole = _points()[5]   # 4 workers, 2 ps, 100 Mbit/s
-    chunked = dataclasses.replace(
-        whole, config=dataclasses.replace(whole.config, chunk_kb=32))
-    assert chunked.link_ms() == whole.link_ms(pipelined=True)
-    assert chunked.link_ms() < whole.link_ms()
-    # Asked for explicitly (the predictions), either bound is given.
-    assert chunked.link_ms(pipelined=False) == whole.link_ms()
-
-
 def _write_benchmark(folder, points, straggler=False):
     rows = []
     for p in points:
@@ -77,8 +60,13 @@ def _write_benchmark(folder, points, straggler=False):
 def test_it_reads_benchmark_folders_and_skips_stragglers(tmp_path, capsys):
     _write_benchmark(tmp_path / "even", _points())
     _write_benchmark(tmp_path / "slow", _points()[:2], straggler=True)
+    # A run of the retired pipelined protocol ran another protocol's step.
+    chunked = _points()[5]
+    _write_benchmark(tmp_path / "chunked", [dataclasses.replace(
+        chunked, config=dataclasses.replace(chunked.config, chunk_kb=32))])
     points = stepmodel.load_points([str(tmp_path / "even"),
-                                    str(tmp_path / "slow")])
+                                    str(tmp_path / "slow"),
+                                    str(tmp_path / "chunked")])
     assert [p.workers for p in points] == [1, 2, 4, 8, 16, 4, 1, 2, 4]
     assert stepmodel.main([str(tmp_path / "even")]) == 0
     assert "step ms = " in capsys.readouterr().out

@@ -13,7 +13,9 @@ COLUMNS = ("run", "kind", "workers", "test_accuracy", "wall_time_secs",
            "train_time_secs", "images_per_sec", "efficiency",
            "mean_step_time_ms", "time_to_target_secs", "peak_rss_mb_max",
            "peak_rss_mb")
-# Columns only some benchmarks have: repeats, simulated hosts, traces.
+# Columns only some benchmarks have: repeats, simulated hosts, traces;
+# pipelined_bound_ms only in results from before the pipelined protocol
+# was retired (their replots still read it).
 EXTRA_COLUMNS = ("runs", "seeds", "test_accuracy_mean", "test_accuracy_min",
                  "test_accuracy_max", "images_per_sec_mean",
                  "images_per_sec_min", "images_per_sec_max",

@@ -104,22 +104,15 @@ def _add_host_columns(s: runs_lib.Settings, medians: list,
             s.config, s.num_ps, run.workers, s.sim.link_rate_bps,
             s.sim.ps_placement)
         step_ms = run.results["mean_step_time_ms"]
-        pipelined = bound_lib.pipelined_bound_ms(
-            s.config, s.num_ps, run.workers, s.sim.link_rate_bps,
-            s.sim.ps_placement)
-        # The bound of the protocol that ran: pull then push, or pipelined
-        # chunks (--chunk_kb), which keep both link directions busy.
-        ran = pipelined if s.config.chunk_kb else bound
         row.update(
             ps_link_bytes_per_step=bound_lib.busiest_ps_link_bytes(
                 s.config, s.num_ps, run.workers, s.sim.ps_placement),
             ps_link_bound_ms=bound,
-            pipelined_bound_ms=pipelined,
             # No link traffic at all (one worker beside its ps): no bound.
-            step_over_bound=step_ms / ran if ran else None,
-            # The share of the step the links explain: that bound over the
+            step_over_bound=step_ms / bound if bound else None,
+            # The share of the step the links explain: the bound over the
             # measured step.
-            link_share=ran / step_ms if ran and step_ms else None)
+            link_share=bound / step_ms if bound and step_ms else None)
 
 
 def dashboard_spec(s: runs_lib.Settings, plan: list, grouped: list,

@@ -12,15 +12,15 @@ fits, by least squares with every coefficient at least 0,
 
 a_m is per model m (the mlp's example costs far less than the cnn's),
 B is the global batch, N the workers, cpu a worker host's share of a core
-and ps_cpu a ps host's; link_ms is the protocol's link bound in ms
-(trainer/bench/simhosts/bound.py) for its K ps tasks: the sequential
-one for a run of whole shards, the pipelined one for a run with
---chunk_kb. The per-worker term is ps 0's: every worker's token,
-push event and admission pass through it each step, however many ps
-tasks share the parameters (8 workers ran no faster with 2 ps than 1). It prints the fitted formula, its error on every point and
-what it predicts for 32, 64 and 128 workers with one and with four ps
-tasks per 8 workers, with the sequential link bound and with the
-pipelined one (what a pipelined protocol would reach if the rest stayed).
+and ps_cpu a ps host's; link_ms is the ps-link bound in ms
+(trainer/bench/simhosts/bound.py) for its K ps tasks. The per-worker
+term is ps 0's: every worker's token, push event and admission pass
+through it each step, however many ps tasks share the parameters (8
+workers ran no faster with 2 ps than 1). It prints the fitted formula,
+its error on every point and what it predicts for 32, 64 and 128
+workers with one and with four ps tasks per 8 workers. Runs of the
+retired pipelined protocol (--chunk_kb) are left out: their step was
+another protocol's.
 """
 
 import dataclasses
@@ -56,23 +56,18 @@ class Point:
     placement: str
     step_ms: float | None = None   # measured; None for a prediction
 
-    def link_ms(self, pipelined: bool | None = None) -> float:
-        """The link bound in ms: of the protocol the run used (None: the
-        pipelined one if it ran with --chunk_kb), or the one asked for."""
-        if pipelined is None:
-            pipelined = self.config.chunk_kb > 0
-        bound = (bound_lib.pipelined_bound_ms if pipelined
-                 else bound_lib.ps_link_bound_ms)
-        return bound(self.config, self.num_ps, self.workers, self.rate_bps,
-                     self.placement)
+    def link_ms(self) -> float:
+        """The ps-link bound in ms."""
+        return bound_lib.ps_link_bound_ms(self.config, self.num_ps,
+                                          self.workers, self.rate_bps,
+                                          self.placement)
 
-    def features(self, models: tuple[str, ...],
-                 pipelined: bool | None = None) -> np.ndarray:
+    def features(self, models: tuple[str, ...]) -> np.ndarray:
         """float64 [len(models) + 3]: the terms' factors (module
         docstring), with one compute column per model."""
         compute = [self.config.batch_size / self.workers / self.host_cpu
                    if m == self.config.model else 0.0 for m in models]
-        return np.array(compute + [self.link_ms(pipelined),
+        return np.array(compute + [self.link_ms(),
                                    self.workers / self.ps_cpu, 1.0])
 
 
@@ -83,9 +78,8 @@ class Model:
     models: tuple[str, ...]
     coef: np.ndarray
 
-    def predict(self, point: Point, pipelined: bool | None = None
-                ) -> float:
-        return float(point.features(self.models, pipelined) @ self.coef)
+    def predict(self, point: Point) -> float:
+        return float(point.features(self.models) @ self.coef)
 
     def formula(self) -> str:
         b, c, d = self.coef[len(self.models):]
@@ -120,6 +114,8 @@ def load_points(folders: list[str]) -> list[Point]:
                 continue
             run = json.loads((folder / row["run"] / "results.json")
                              .read_text())
+            if run["flags"].get("chunk_kb"):
+                continue  # the retired pipelined protocol
             points.append(Point(
                 f"{folder.name}/{row['run']}",
                 TrainConfig(**run["flags"]), row["workers"], run["num_ps"],
@@ -175,8 +171,7 @@ def report(points: list[Point], model: Model) -> list[str]:
 
 
 def _predictions_header() -> str:
-    return ("| N | K | sequential ms | images/s | pipelined ms | images/s "
-            "|\n|---|---|---|---|---|---|")
+    return "| N | K | step ms | images/s |\n|---|---|---|---|"
 
 
 def _prediction_row(model: Model, ref: Point, workers: int, per_8: int
@@ -184,11 +179,9 @@ def _prediction_row(model: Model, ref: Point, workers: int, per_8: int
     """A prediction on the first point's model, batch, cpus and links."""
     p = dataclasses.replace(ref, label="", workers=workers,
                             num_ps=workers // 8 * per_8, step_ms=None)
-    seq = model.predict(p, pipelined=False)
-    pipe = model.predict(p, pipelined=True)
-    batch = ref.config.batch_size
-    return (f"| {workers} | {p.num_ps} | {seq:.1f} | {batch / seq * 1e3:,.0f}"
-            f" | {pipe:.1f} | {batch / pipe * 1e3:,.0f} |")
+    ms = model.predict(p)
+    return (f"| {workers} | {p.num_ps} | {ms:.1f} | "
+            f"{ref.config.batch_size / ms * 1e3:,.0f} |")
 
 
 def main(argv: list[str]) -> int:

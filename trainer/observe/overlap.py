@@ -1,7 +1,9 @@
 """The push/pull overlap of a traced step: how long gradients going up
 and parameters coming down were on the way at the same time. The step
 breakdown (trainer/observe/timeline.py) gives each instant to one part,
-so it cannot show this; the pipelined protocol (--chunk_kb) exists for it.
+so it cannot show this. Within one worker whole shards pull, then push;
+across workers (one pushing while another still pulls, as with
+--ordered_pulls) the two can overlap.
 """
 
 

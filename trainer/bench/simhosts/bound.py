@@ -33,16 +33,6 @@ which with K = N equal shards is 2 (N - 1) / N x P x W x 8 / R: exactly
 what a ring all-reduce moves over each worker's link (`ring_bound_ms`,
 with float32), in two phases (pull, push) where the ring needs 2 (N - 1).
 
-A pipelined protocol (BytePS's model) keeps both directions of every link
-busy at once: chunk c is pulled while chunk c + 1 is pushed. Its bound is
-the busiest link direction's bytes per step over R,
-
-    pipelined bound = max(N x S, P) x W x 8 / R  (separate ps hosts),
-
-half the sequential one with N equal shards on N ps hosts. Colocated, a
-host's link already carries (N - 1) x S_k + (P - S_k) values each way
-over the step, so its pipelined bound is the sequential one.
-
 Why it matters: measured steps also pay the compute, the latency of a few
 round trips and gRPC's framing, so measured / bound says how close to the
 link's limit a configuration runs. Reaching the bound takes one pull at a
@@ -102,17 +92,6 @@ def ps_link_bound_ms(config, num_ps: int, workers: int, rate_bps: int,
 def _link_ms(config, values: int, rate_bps: int) -> float:
     """ms for `values` parameters or gradients on a link of rate_bps."""
     return 1000.0 * values * wire_bytes_per_float(config) * 8 / rate_bps
-
-
-def pipelined_bound_ms(config, num_ps: int, workers: int, rate_bps: int,
-                       placement: str = "separate") -> float:
-    """The busiest link direction's bytes per step over its rate, in ms
-    (module docstring): max(N x S, P) x W x 8 / R with ps hosts of their
-    own, the sequential bound colocated."""
-    if placement != "separate":
-        return ps_link_bound_ms(config, num_ps, workers, rate_bps, placement)
-    sizes = _shard_sizes(config, num_ps)
-    return _link_ms(config, max(workers * max(sizes), sum(sizes)), rate_bps)
 
 
 def ring_bound_ms(config, workers: int, rate_bps: int) -> float:
