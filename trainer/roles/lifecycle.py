@@ -39,6 +39,9 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
 
+    `at_step`: the step of the latest token a worker other than the chief
+    took (None before its first, and on the chief), named when it fails.
+
     The watchdog thread may end a blocked session.run by closing the
     session (`give_up`); the reason it gives is read by the training
     thread when that run fails. Both go through `_lock`.
@@ -55,8 +58,10 @@ class WorkerRole(abc.ABC):
         self.pushed = 0           # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
         self._stop_reason = None
+        self._outage_secs = None   # set by the watchdog: join again
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
+        self.at_step = None
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         self.g = worker_graph.build_worker(
@@ -94,6 +99,11 @@ class WorkerRole(abc.ABC):
                     self._connect()
                     self.run_connected()
                     return
+                except RunFailed as e:
+                    if self.at_step is None:
+                        raise
+                    raise RunFailed(f"{e}; this worker was at step "
+                                    f"{self.at_step}") from None
                 except Exception as e:  # noqa: BLE001 (re-raised below)
                     self._check_reconnectable(e)
 
@@ -112,9 +122,17 @@ class WorkerRole(abc.ABC):
         """Re-raises `error` unless it is a lost ps worth reconnecting
         after; closes the broken session either way."""
         with self._lock:
-            reason = self._stop_reason
+            reason, outage = self._stop_reason, self._outage_secs
+            self._outage_secs = None
         if reason:  # the watchdog closed the session
             raise RunFailed(reason) from None
+        if outage is not None:  # closed by the watchdog: join again
+            logging.warning(
+                "worker %d: ps 0 answers again after %.0f s; joining again "
+                "(the chief counted us out meanwhile)", self.k, outage)
+            self.close_session()
+            self.last_progress = time.monotonic()
+            return
         if not isinstance(error, PS_LOST):
             raise error
         self.close_session()
@@ -156,10 +174,13 @@ class WorkerRole(abc.ABC):
             self.config.trace_range(), self.traces)
 
     def watchdog(self, timeout_secs: float, on_timeout,
-                 timeout_flag: str = "--worker_timeout_secs"
-                 ) -> watchdog_lib.Watchdog:
+                 timeout_flag: str = "--worker_timeout_secs",
+                 rejoin_after_outage: bool = False) -> watchdog_lib.Watchdog:
         """Calls on_timeout(step, who) when the global step stays put (step
-        None: ps 0 did not answer); warnings name `timeout_flag`."""
+        None: ps 0 did not answer); warnings name `timeout_flag`. With
+        `rejoin_after_outage`, ps 0 answering again after
+        --worker_timeout_secs without an answer ends the blocked run with
+        `join_again`."""
         fetches = {"step": self.g.handles.global_step,
                    "admitted": self.g.handles.admitted}
         cluster = self.task.cluster
@@ -182,7 +203,19 @@ class WorkerRole(abc.ABC):
         return watchdog_lib.Watchdog(
             read_progress, describe_missing, timeout_secs, on_timeout,
             f"{cluster.describe('ps', 0)}, which does not answer",
-            timeout_flag)
+            timeout_flag,
+            on_return=self.join_again if rejoin_after_outage else None,
+            return_after_secs=self.config.worker_timeout_secs)
+
+    def join_again(self, outage_secs: float) -> None:
+        """From the watchdog: ps 0 answers again after `outage_secs`, long
+        enough for the chief to have counted this worker out. Its blocked
+        run may wait forever on a token or a reply lost with the link, so
+        it is ended; run() then reconnects and joins as a restarted
+        worker does."""
+        with self._lock:
+            self._outage_secs = outage_secs
+        self.close_session()
 
     def give_up(self, reason: str) -> None:
         """From the watchdog: end the blocked session.run with a reason."""

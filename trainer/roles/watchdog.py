@@ -67,7 +67,9 @@ class Watchdog:
                  describe_missing: Callable[[list], str], timeout_secs: float,
                  on_timeout: Callable[[int | None, str], None],
                  unreachable: str = "ps 0, which does not answer",
-                 timeout_flag: str = "--worker_timeout_secs"):
+                 timeout_flag: str = "--worker_timeout_secs",
+                 on_return: Callable[[float], None] | None = None,
+                 return_after_secs: float = 0.0):
         """
         Args:
           read_progress: () -> (global step, admitted flags per worker).
@@ -77,7 +79,11 @@ class Watchdog:
             step is None when no read has succeeded in this busy period.
           unreachable: `who` when the last reads failed.
           timeout_flag: the flag that sets timeout_secs, named in the
-            warnings (a non-chief worker waits 2 x --worker_timeout_secs).
+            warnings.
+          on_return: (seconds without an answer) -> None, called once,
+            from the thread, when ps 0 answers again after at least
+            return_after_secs without answering (a worker whose link came
+            back joins again: trainer/roles/lifecycle.py).
         """
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
@@ -87,6 +93,7 @@ class Watchdog:
         self._flag = timeout_flag
         self._run_flag = timeout_flag
         self._on_timeout = on_timeout
+        self._on_return, self._return_after = on_return, return_after_secs
         self._busy = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True,
@@ -124,18 +131,26 @@ class Watchdog:
 
     def _watch(self) -> None:
         last_step, since, next_warning = None, time.monotonic(), None
+        failing_since = None
         while not self._stop.wait(CHECK_SECS):
             now = time.monotonic()
             if not self._busy.is_set():
                 last_step, since, next_warning = None, now, None
+                failing_since = None
                 continue
             try:
                 step, admitted = self._read()
             except Exception:  # noqa: BLE001 (any failure: no progress)
+                failing_since = failing_since or now
                 if now - since >= self._run_timeout:
                     self._on_timeout(last_step, self._unreachable)
                     return
                 continue
+            if failing_since is not None and self._on_return is not None \
+                    and now - failing_since >= self._return_after:
+                self._on_return(now - failing_since)
+                return
+            failing_since = None
             if step != last_step:
                 last_step, since = step, now
                 next_warning = now + WARN_EVERY_SECS

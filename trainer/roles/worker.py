@@ -30,17 +30,20 @@ class Worker(WorkerRole):
         # runs: 0 steps), so that our first round is not held up by it.
         self.callable(self.g.loop_outputs,
                       [self.g.start_token, self.g.num_steps])(token_of(0), 0)
-        # The chief gives up on a missing worker after --worker_timeout_secs
-        # and tells us why; we wait twice that long for it to do so.
-        timeout = 2 * self.config.worker_timeout_secs
+        # A worker cut off from the cluster, or waiting on a stopped chief,
+        # waits as long as a starting worker waits for its cluster; when
+        # ps 0 answers again after an outage it joins again.
+        timeout = self.config.startup_timeout_secs
+        chief = self.task.cluster.describe("worker", 0)
         with self.watchdog(timeout, lambda at, who: self.give_up(
-                f"global step {at} did not move for {timeout:.0f} s "
-                f"(2 x --worker_timeout_secs), waiting for {who}; is the "
-                f"chief, {self.task.cluster.describe('worker', 0)}, "
-                "running?"), timeout_flag="2 x --worker_timeout_secs") as dog:
+                f"{'global step ' + str(at) if at is not None else 'training'}"
+                f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
+                f" waiting for {who}; is the chief, {chief}, running?"),
+                timeout_flag="--startup_timeout_secs",
+                rejoin_after_outage=True) as dog:
             token = self._join(dog)
             while True:
-                step = int(token[0])
+                step = self.at_step = int(token[0])
                 if step == state.REJOIN:  # a restarted chief
                     token = self._join(dog)
                     continue
