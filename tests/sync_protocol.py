@@ -16,6 +16,7 @@ from trainer.sync import transport as transport_lib
 SHARDS = [5, 3]
 PROBE_FREE_STEP = 7   # not a multiple of pace.PROBE_EVERY
 LEARNING_RATE = 0.5
+RECORDED_STEPS = 8   # the per-step record's length (SharedState.by_step)
 
 
 @pytest.fixture
@@ -44,7 +45,8 @@ class Protocol:
         self.graph = tf.Graph()
         devices = ["/job:ps/task:0", "/job:ps/task:1"]
         with self.graph.as_default():
-            self.shared = state.SharedState(num_workers, SHARDS, devices)
+            self.shared = state.SharedState(num_workers, SHARDS, devices,
+                                            train_steps=RECORDED_STEPS)
             turns = pull_turns.PullTurns(num_workers, devices, False)
             self.rule = averaging.Averaging(self.shared, batch, backup_workers,
                                             slices, turns)

@@ -40,6 +40,29 @@ def test_a_step_averages_every_member_weighted_by_its_slice(cluster):
     assert workers.tolist() == [1, 2] and members.tolist() == [2, 3]
 
 
+def test_each_step_records_what_its_average_held(cluster):
+    """The invariant checker's record: per step, whether the admitted
+    slices cover the global batch exactly once, and each one's examples."""
+    rng = np.random.default_rng(5)
+    protocol = Protocol(cluster, num_workers=3)
+    protocol.join(1, 2)
+    tokens = round_tokens(protocol, 0, [1, 2])
+    push_all(protocol, rng, tokens)
+    protocol.admit(tokens[0])
+    protocol.apply(0)
+    record = protocol.read(protocol.shared.by_step)
+    assert record[0].tolist() == [1, 22, 21, 21]
+    # Worker 2 computed worker 1's rows instead of its own: rows 43..63
+    # are missing and 22..42 are there twice.
+    tokens = round_tokens(protocol, 1, [1, 2])
+    tokens[2] = tokens[1].copy()
+    push_all(protocol, rng, tokens)
+    protocol.admit(tokens[0])
+    protocol.apply(1)
+    assert protocol.read(protocol.shared.by_step)[1].tolist() == [0, 22, 21,
+                                                                  21]
+
+
 def test_no_step_until_every_member_has_pushed(cluster):
     rng = np.random.default_rng(1)
     protocol = Protocol(cluster, num_workers=2)
@@ -190,7 +213,10 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     assert protocol.admit(after[0]) == (True, [0, 1])
     assert protocol.read(protocol.shared.dropped) == 0
     secs = protocol.read(protocol.shared.round_secs)
-    assert 0 < secs[2] < 0.5   # measured: faster than it was
+    # Measured: 0.5 averaged with the probe's time (which depends on the
+    # machine's load, so only that it moved is certain).
+    assert secs[2] != np.float32(0.5)
+    assert secs[2] > pace.SPEED_MEMORY * 0.5
     # No longer a laggard by the factor: in the next round.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
     back = round_tokens(protocol, PROBE_FREE_STEP, [1, 2])

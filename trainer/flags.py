@@ -84,6 +84,13 @@ flags.DEFINE_enum("wire_dtype", "float32", list(WIRE_DTYPES),
                   "workers and ps tasks; the ps keeps, sums and applies in "
                   "float32. bfloat16 halves the bytes (float16 may overflow "
                   "on gradient sums).")
+flags.DEFINE_integer("micro_batch", 0,
+                     "Compute the global batch in micro-batches of N rows, "
+                     "each with the same ops and shapes whoever computes it; "
+                     "slices are whole micro-batches. An example's gradient "
+                     "then has the same bits whatever slice holds it "
+                     "(docs/how-it-works.md#micro-batches). 0: one piece per "
+                     "slice.")
 flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
@@ -275,6 +282,7 @@ def config_from_flags() -> TrainConfig:
         worker_timeout_secs=FLAGS.worker_timeout_secs,
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
         ordered_pulls=FLAGS.ordered_pulls, chunk_kb=FLAGS.chunk_kb,
+        micro_batch=FLAGS.micro_batch,
         continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 

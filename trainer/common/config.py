@@ -65,6 +65,8 @@ class TrainConfig:
     wire_dtype: str = _shared("float32", WORKERS, CHECKPOINT)
     # workers read parameters in turn
     ordered_pulls: bool = _shared(False, WORKERS)
+    # rows computed together: slices are whole micro-batches (0: no)
+    micro_batch: int = _shared(0, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
 
@@ -136,6 +138,21 @@ def _check_trace_steps(text: str | None) -> None:
                         "steps with FIRST < END, e.g. 200:205")
 
 
+def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
+    m = config.micro_batch
+    if m == 0:
+        return
+    _positive("micro_batch", m)
+    if config.batch_size % m:
+        raise UserError(f"--micro_batch={m} does not divide --batch_size="
+                        f"{config.batch_size}; pick a divisor of it (or 0)")
+    if config.batch_size // m < num_workers:
+        raise UserError(
+            f"--batch_size={config.batch_size} holds "
+            f"{config.batch_size // m} micro-batches of {m}, fewer than the "
+            f"{num_workers} workers; lower --micro_batch")
+
+
 def validate(config: TrainConfig, num_workers: int) -> None:
     """Raises UserError naming the first bad setting and how to fix it.
     (A --batch_size above the training examples is refused once they are
@@ -188,6 +205,7 @@ def validate(config: TrainConfig, num_workers: int) -> None:
         raise UserError(
             "--ordered_pulls and --backup_workers do not mix: a late worker "
             "would hold back the pulls of every worker after it; drop one")
+    _check_micro_batch(config, num_workers)
     if config.batch_size < num_workers:
         raise UserError(
             f"--batch_size={config.batch_size} is smaller than the "

@@ -17,6 +17,7 @@ from trainer.learning import params as params_lib
 from trainer.common.config import TrainConfig
 from trainer.learning.data import IMAGE_SIZE
 
+MICRO_PARALLEL = 8  # micro-batches computed at once; summed in order
 EVAL_CHUNK = 1000  # test images per forward pass; bounds the cnn's memory
 NUM_STATS = 3      # a replica's statistics: examples, loss sum, correct
 _DROPOUT_SEED_SALT = 0x5EED
@@ -116,9 +117,46 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
     The gradient is of the loss *sum* over the slice: the chief divides the
     sum of the workers' gradients by their example count, which weights
     every worker by its slice, whatever the slices' sizes.
+
+    With --micro_batch=m the slice (whole micro-batches) is computed m rows
+    at a time, in order. A matmul's rows differ in their last bits with the
+    number of rows it is given (the kernel blocks its sums by the shape),
+    and a ReLU whose input is within those bits of 0 passes or stops a
+    whole example's gradient: so only shapes fixed by the global batch,
+    not by the slicing, give an example the same gradient whoever
+    computes it.
     """
+    m = config.micro_batch
+    if not m:
+        return _rows_gradients(config, layout, trainset, step, bounds,
+                               shard_values)
+    first = tf.cast(bounds[0], tf.int64)
+    count = (tf.cast(bounds[1], tf.int64) - first) // m
+
+    def one_micro_batch(i, grads, stats):
+        start = first + i * m
+        part = _rows_gradients(config, layout, trainset, step,
+                               (start, start + m), shard_values, m)
+        return (i + 1, [g + p for g, p in zip(grads, part.shard_grads)],
+                stats + part.stats)
+
+    _, grads, stats = tf.while_loop(
+        lambda i, *_: i < count, one_micro_batch,
+        [tf.constant(0, tf.int64), [tf.zeros_like(v) for v in shard_values],
+         tf.zeros([NUM_STATS])], parallel_iterations=MICRO_PARALLEL)
+    return Replica(step, grads, stats)
+
+
+def _rows_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
+                    trainset: batches.InGraphTrainSet, step: tf.Tensor,
+                    bounds, shard_values: list, rows: int | None = None
+                    ) -> Replica:
+    """compute_gradients on rows [first, end) in one piece (`rows`: their
+    count where it is fixed)."""
     bounds = (bounds[0], bounds[1])
     images, labels = trainset.batch(step, bounds)
+    if rows is not None:
+        images = tf.ensure_shape(images, [rows, IMAGE_SIZE, IMAGE_SIZE, 1])
     dropout = global_batch_dropout(config.seed, step, bounds)
     out = logits(config, layout, shard_values, images, dropout)
     stats = batch_stats(out, labels)

@@ -24,6 +24,7 @@ from trainer.saving import export
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 RESULTS_FILE = "results.json"
+BY_STEP_FILE = "averaged_by_step.npy"
 EXPORT_DIR = "export"
 
 
@@ -39,6 +40,7 @@ class Chief(WorkerRole):
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
         self.halt_reason = None       # why training ends early (halt)
+        self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
         ops = self.g.chief
@@ -65,6 +67,7 @@ class Chief(WorkerRole):
                                               self.k, True, writer)
         writer.close()
         counted = self._counted_before + self.session.run(ops.contributions)
+        self._check_steps(logdir, self.session.run(ops.by_step), step)
         # The chief pushes once per round: its rounds of this launch.
         self.pushed = int(self.session.run(self.g.handles.round))
         self._export(logdir)
@@ -219,6 +222,23 @@ class Chief(WorkerRole):
             self._save(logdir, step)
         return step
 
+    def _check_steps(self, logdir: pathlib.Path, by_step: np.ndarray,
+                     first: int) -> None:
+        """Writes what each step of this launch averaged (by_step: int32
+        [steps, 1 + N], averaging.record_step) to averaged_by_step.npy,
+        and logs every step whose average missed an example or held one
+        twice (with --backup_workers, by design)."""
+        np.save(logdir / BY_STEP_FILE, by_step)
+        rows = by_step[first:self.train_steps]
+        self.broken_steps = [first + i for i, row in enumerate(rows)
+                             if row[0] != 1 or row[1:].sum() !=
+                             self.config.batch_size]
+        if self.broken_steps and not self.config.backup_workers:
+            logging.error(
+                "%d steps did not average the global batch exactly once "
+                "(first: %s); the run is not exact: please report it",
+                len(self.broken_steps), self.broken_steps[:5])
+
     def _export(self, logdir: pathlib.Path) -> None:
         """The trained model as a SavedModel in <logdir>/export/<step>/,
         a TF Serving version (see trainer/saving/export.py)."""
@@ -283,6 +303,7 @@ class Chief(WorkerRole):
             "pushed_gradients": {"0": self.pushed,
                                  **{str(k): v for k, v in pushed.items()}},
             "membership": records,
+            "steps_not_averaging_the_batch_once": len(self.broken_steps),
             "cluster": cluster.as_dict(),
         }
         if step_breakdown:

@@ -87,6 +87,7 @@ class ChiefOps:
     param_values: dict                # parameter name -> float32 tensor
     take_finished: tuple              # (workers int32 [n], steps int64 [n])
     contributions: tf.Tensor          # int64 [N, 2]: steps, examples
+    by_step: tf.Tensor                # int32 [steps, 1 + N] (state.py)
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
@@ -122,7 +123,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             flat = params_lib.FlatParams(layout)
             shard_devices = [devices.ps_device(i) for i in flat.ps_indices]
             shared = state_lib.SharedState(cluster.num_workers, flat.sizes,
-                                           shard_devices)
+                                           shard_devices, train_steps)
             turns = pull_turns_lib.PullTurns(
                 cluster.num_workers, shard_devices, config.ordered_pulls)
             coord = coordination.RunCoordination(
@@ -141,7 +142,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             if task.is_chief:
                 rule = averaging.Averaging(shared, config.batch_size,
                                            config.backup_workers,
-                                           config.slices, turns)
+                                           config.slices, turns,
+                                           config.micro_batch)
                 update = optim.ScheduledUpdate(config, train_steps)
                 step_body = step_lib.ChiefStep(parts, rule, update)
             else:
@@ -195,6 +197,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         stop_op = coord.stop_op(stop_reason_in)
         take_finished = coord.take_reports()
         contributions = shared.contributions.read_value()
+        by_step = shared.by_step.read_value()
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     saver, checkpoint_shapes = checkpoint_saver(
@@ -222,6 +225,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),
         take_finished=take_finished, contributions=contributions,
+        by_step=by_step,
         stop_reason_in=stop_reason_in,
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=coord.shutdown_ops(num_ps, devices.ps_device,

@@ -1,6 +1,31 @@
 """The sync rule: who computes what in a step, what is averaged, when the
 step is applied. Change the rule here.
 
+The invariants it keeps (docs/how-it-works.md; each with what checks it):
+
+I1. The update applied at step t is the mean, over exactly the global
+    batch of step t (each example once), of per-example gradients at the
+    parameters after step t - 1. [record_step: per step, whether the
+    admitted slices cover the batch once, logged by the chief and judged
+    by the nemesis; the nemesis and tests/test_elastic.py compare the
+    parameters with the 1-worker run]
+I2. A push for (step, round) is admitted only in that round of that
+    step, at most once. [_take_event's `fresh`; tests/test_sync.py
+    test_pushes_for_another_step_or_round_are_dropped_and_counted]
+I3. The global step never goes back: only count_and_advance sets it, to
+    t + 1 after step t's update. [the nemesis checker, over the chief's
+    progress lines]
+I4. A worker out of the round (not in the roster, or benched) is given no
+    slice; a probe's push is timed, never admitted. [tests/test_sync.py
+    test_a_laggard_sits_out_rounds_between_probes, test_slices.py]
+I5. A member reads the parameters for step t only after step t - 1 is
+    applied: its token is handed out by the plan, which runs after
+    count_and_advance. [I1's checks]
+I6. A worker that is alive and reachable is taken back in: a push from
+    outside the roster, or a JOINED, puts it in the next plan; a worker
+    cut off for longer than --worker_timeout_secs joins again once ps 0
+    answers (trainer/roles/lifecycle.py). [the nemesis's rejoin check]
+
 For global step t the chief runs rounds until one completes:
 
 1. Plan: the members are the roster (who is in: the chief, and every
@@ -63,8 +88,12 @@ class Averaging:
     """The rule over a SharedState; the chief runs all of it."""
 
     def __init__(self, shared: state_lib.SharedState, global_batch: int,
-                 backup_workers: int, slices: str, pull_turns):
+                 backup_workers: int, slices: str, pull_turns,
+                 micro_batch: int = 0):
+        """micro_batch: slices are whole micro-batches of this many rows
+        (--micro_batch; 0: of single rows)."""
         self.shared, self.global_batch = shared, global_batch
+        self.unit = micro_batch or 1
         self.backup_workers, self.slices = backup_workers, slices
         self.pull_turns = pull_turns
         self.device = shared.shard_devices[0]
@@ -80,15 +109,16 @@ class Averaging:
             out = self.pace.laggards(roster)
             members = tf.where(out, 0.0, roster)
             weight = slices_lib.weights(speed, members, self.slices)
+            batch, unit = self.global_batch, self.unit
             cut = slices_lib.prefer(
-                slices_lib.bounds(members, self.global_batch),
-                slices_lib.bounds(weight, self.global_batch), weight,
+                slices_lib.bounds(members, batch, unit),
+                slices_lib.bounds(weight, batch, unit), weight,
                 BALANCE_GAIN)
             probe, benched = self.pace.probes(step, out)
             given = tf.logical_or(members > 0.5, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
-                slices_lib.weights(speed, roster, self.slices),
-                self.global_batch), cut)
+                slices_lib.weights(speed, roster, self.slices), batch,
+                unit), cut)
             # A read now: assign_add's value is a lazy read, which a loop
             # that captures it would repeat every iteration (from ps 0).
             round_ = tf.identity(s.round.assign_add(1))
@@ -259,10 +289,31 @@ class Averaging:
                 tf.stack([tf.cast(admitted, tf.int64),
                           tf.cast(tf.round(examples), tf.int64)], axis=1),
                 read_value=False)
-            with tf.control_dependencies([counted]):
+            recorded = self.record_step(step, admitted, examples)
+            with tf.control_dependencies([counted, recorded]):
                 advance = s.global_step.assign(step + 1, read_value=False)
             with tf.control_dependencies([advance]):
                 return tf.identity(step + 1)
+
+    def record_step(self, step, admitted, examples) -> tf.Operation:
+        """by_step[step] = [the admitted workers' pushed slices cover rows
+        [0, global batch) exactly once, then each one's examples] (the
+        invariant checker's record; admitted: bool [N], examples: float32
+        [N] from their stats rows)."""
+        s = self.shared
+        pushed = s.pushed_slices.read_value()
+        rows = tf.range(self.global_batch, dtype=tf.int64)
+        covers = tf.logical_and(rows[None, :] >= pushed[:, :1],
+                                rows[None, :] < pushed[:, 1:])
+        times = tf.reduce_sum(tf.cast(tf.logical_and(
+            covers, admitted[:, None]), tf.int32), axis=0)
+        once = tf.reduce_all(tf.equal(times, 1))
+        row = tf.concat([tf.cast(once, tf.int32)[None],
+                         tf.cast(tf.round(examples), tf.int32)], axis=0)
+        index = tf.minimum(step, s.by_step.shape[0] - 1)
+        return tf.raw_ops.ResourceScatterUpdate(
+            resource=s.by_step.handle, indices=index[None],
+            updates=row[None])
 
 
 def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:

@@ -58,9 +58,10 @@ def laggards(round_secs: tf.Tensor, roster: tf.Tensor,
     return tf.logical_and(slow, tf.range(tf.size(secs)) > 0)
 
 
-def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
+def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
     """[first, end) per worker (int64 [N, 2]) of a global batch cut in
-    proportion to `weight` (float32 [N]; 0: not a member, empty slice).
+    proportion to `weight` (float32 [N]; 0: not a member, empty slice),
+    in whole units of `unit` rows (--micro_batch; it divides the batch).
 
     Each member's share is rounded down, but to at least one example; an
     excess from that is taken back one by one from the largest slices,
@@ -68,7 +69,7 @@ def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
     largest remainders (ties: the lower index).
     """
     member = weight > 0
-    batch = tf.cast(global_batch, tf.int64)
+    batch = tf.cast(global_batch // unit, tf.int64)
     share = weight / tf.reduce_sum(weight) * tf.cast(batch, tf.float32)
     base = tf.where(member, tf.maximum(tf.cast(tf.floor(share), tf.int64),
                                        1), 0)
@@ -86,7 +87,7 @@ def bounds(weight: tf.Tensor, global_batch: int) -> tf.Tensor:
     sizes = base + tf.cast(tf.logical_and(tf.cast(rank, tf.int64) < left,
                                           member), tf.int64)
     ends = tf.cumsum(sizes)
-    return tf.stack([ends - sizes, ends], axis=1)
+    return tf.stack([ends - sizes, ends], axis=1) * unit
 
 
 def prefer(base: tf.Tensor, new: tf.Tensor, weight: tf.Tensor,
@@ -122,9 +123,10 @@ def prefer_np(base, new, weight, gain: float) -> np.ndarray:
     return base if finish(base) <= (1 + gain) * finish(new) else new
 
 
-def bounds_np(weight, global_batch: int) -> np.ndarray:
+def bounds_np(weight, global_batch: int, unit: int = 1) -> np.ndarray:
     """`bounds` in NumPy (int64 [N, 2]), for tests and docs."""
     weight = np.asarray(weight, np.float32)
+    global_batch //= unit
     member = weight > 0
     share = weight / weight.sum() * np.float32(global_batch)
     base = np.where(member, np.maximum(np.floor(share), 1), 0).astype(
@@ -137,4 +139,4 @@ def bounds_np(weight, global_batch: int) -> np.ndarray:
     rank[np.argsort(-remainder, kind="stable")] = np.arange(len(weight))
     sizes = base + ((rank < left) & member)
     ends = np.cumsum(sizes)
-    return np.stack([ends - sizes, ends], axis=1)
+    return np.stack([ends - sizes, ends], axis=1) * unit

@@ -67,7 +67,7 @@ class SharedState:
     """The protocol's variables and queues (shapes in the comments)."""
 
     def __init__(self, num_workers: int, shard_sizes: list[int],
-                 shard_devices: list[str]):
+                 shard_devices: list[str], train_steps: int = 1):
         self.num_workers = num_workers
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
         zeros = tf.compat.v1.zeros_initializer()
@@ -97,6 +97,16 @@ class SharedState:
                 "sync/contributions", n + [2], tf.int64, zeros, True)
             self.stats = ps_variable("sync/stats", n + [NUM_STATS],
                                      tf.float32, zeros, True)
+            # [first, end) of each worker's latest push, as it computed it.
+            self.pushed_slices = ps_variable("sync/pushed_slices", n + [2],
+                                             tf.int64, zeros, True)
+            # Per global step, what its average held (averaging.py's
+            # record_step): [the admitted slices cover the global batch
+            # exactly once (1) or not (0), then each worker's examples].
+            # Steps applied before the chief's latest start are 0.
+            self.by_step = ps_variable(
+                "sync/averaged_by_step", [max(train_steps, 1), 1 + num_workers],
+                tf.int32, zeros, True)
             # Set by the chief's Python side: end the loop at the next step
             # boundary (SIGTERM, too few workers).
             self.halt = ps_variable("sync/halt", [], tf.int64, zeros, True)

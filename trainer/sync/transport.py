@@ -90,10 +90,11 @@ class Transport:
                 wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, dtype)])
             stats_ps = wire.bits_from_wire(stats_bits, tf.float32,
                                            [NUM_STATS])
-            writes = [_write_row(shared.grads[0], row, wire.from_wire(grad0)),
-                      _write_row(shared.stats, row, stats_ps)]
             token_ps = wire.bits_from_wire(token_bits, tf.int64,
                                            [state_lib.TOKEN_SIZE])
+            writes = [_write_row(shared.grads[0], row, wire.from_wire(grad0)),
+                      _write_row(shared.stats, row, stats_ps),
+                      _write_row(shared.pushed_slices, row, token_ps[2:])]
             step_ps, round_ps = token_ps[0], token_ps[1]
         for s in range(1, len(shared.grads)):
             with tf.device(shared.shard_devices[s]):
