@@ -253,6 +253,19 @@ class Host:
         """Reconnects this host; TCP resumes at its next retransmission."""
         _run(["ip", "-n", self.bridge_ns, "link", "set", self.port, "up"])
 
+    def set_link_rate(self, rate) -> None:
+        """Changes the link's rate both ways (e.g. "1mbit"; None: none)."""
+        bps = None if rate is None else parse_rate(rate)
+        for ns, dev in ((self.namespace, "eth0"),
+                        (self.bridge_ns, self.port)):
+            if bps is None:
+                _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
+                     check=False)
+            else:
+                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root",
+                      "tbf", *tbf_args(bps)])
+        self.link_rate_bps = bps
+
 
 class SimulatedHosts:
     """Simulated hosts on one bridge; a context manager that removes them."""

@@ -1,0 +1,137 @@
+"""The nemesis: its schedules, its checker, and three short schedules that
+cover every fault kind on simulated hosts (trainer/nemesis.py)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests import helpers
+from trainer.bench.nemesis import checker
+from trainer.bench.nemesis import run as run_lib
+from trainer.bench.nemesis import schedule
+
+
+def test_a_schedule_is_replayed_from_its_seed():
+    first = schedule.draw(7, 4, 600, 8)
+    assert first == schedule.draw(7, 4, 600, 8)
+    assert first != schedule.draw(8, 4, 600, 8)
+    for fault in first:
+        assert fault.task in ("worker1", "worker2", "worker3")
+        assert 10 <= fault.at_step < 0.7 * 600
+        low, high = schedule.DURATION[fault.kind]
+        assert fault.secs is None or low <= fault.secs <= high
+    assert [f.at_step for f in first] == sorted(f.at_step for f in first)
+
+
+def test_a_covering_schedule_has_every_kind_once():
+    for seed in range(5):
+        faults = schedule.covering(seed, 4, 400)
+        assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
+
+
+def test_durations_can_be_capped():
+    faults = schedule.draw(3, 4, 600, 20, max_secs=12.0)
+    assert all(f.secs is None or f.secs <= 12.0 for f in faults)
+
+
+def _logdir(tmp_path, record, steps_this_run=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    np.save(tmp_path / checker.RECORD_FILE, np.asarray(record, np.int32))
+    steps = len(record)
+    (tmp_path / "results.json").write_text(json.dumps({
+        "flags": {"batch_size": 8}, "global_step": steps,
+        "steps_this_run": steps if steps_this_run is None else steps_this_run}))
+    return tmp_path
+
+
+def test_the_checker_finds_a_step_short_of_the_batch(tmp_path):
+    good = [[1, 5, 3]] * 4
+    assert checker.steps(_logdir(tmp_path / "a", good), [], 4) == []
+    short = [[1, 5, 3], [1, 5, 2], [1, 5, 3], [1, 8, 0]]
+    problems = checker.steps(_logdir(tmp_path / "b", short), [], 4)
+    assert len(problems) == 1 and "first [1]" in problems[0]
+    twice = [[1, 5, 3], [0, 5, 3], [1, 5, 3], [1, 5, 3]]
+    assert "first [1]" in checker.steps(_logdir(tmp_path / "c", twice), [],
+                                        4)[0]
+    # Steps before the chief's latest start are not in its record.
+    early = [[0, 0, 0], [0, 0, 0], [1, 5, 3], [1, 5, 3]]
+    assert checker.steps(_logdir(tmp_path / "d", early, 2), [], 4) == []
+
+
+def test_the_checker_finds_a_step_that_went_back(tmp_path):
+    line = ("step {}/100  loss 0.1000  train accuracy 90.00%  100 images/s"
+            "  1.00 ms/step  dropped gradients 0  ETA 0:00:01")
+    log = "\n".join(line.format(s) for s in (10, 20, 30, 20, 40))
+    problems = checker.steps(_logdir(tmp_path, [[1, 8]] * 4), [log], 4)
+    assert problems == ["the global step went back in the chief's log 0"]
+
+
+def test_the_checker_judges_exit_statuses():
+    kill_for_good = schedule.Fault(schedule.KILL, "worker1", 20, None)
+    cut = schedule.Fault(schedule.CUT, "worker2", 30, 5.0)
+    codes = {"ps0": 0, "worker0": 0, "worker1": -9, "worker2": 0}
+    assert checker.statuses(codes, [kill_for_good, cut], {}) == []
+    assert checker.statuses({**codes, "worker2": 1}, [kill_for_good, cut],
+                            {}) == ["worker2 exited 1"]
+    assert checker.statuses({**codes, "worker0": None},
+                            [kill_for_good, cut], {}) == [
+        "worker0 did not end"]
+    # A worker still cut off when the run ended cannot learn the end.
+    assert checker.statuses({**codes, "worker2": 1}, [kill_for_good, cut],
+                            {"worker2": ["cut"]}) == []
+
+
+def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
+    # worker1's link came back at t=100; steps 0..99 took 1 s each.
+    steps_seen = [(float(t), t) for t in range(200)]
+    history = [(0.0, 0, "worker1", "start"), (50.0, 50, "worker1", "cut"),
+               (100.0, 100, "worker1", "end cut")]
+    outcome = run_lib.Outcome(tmp_path, tmp_path, {}, history, steps_seen,
+                              ended_at=199.0, faults_in_effect={},
+                              hung=False)
+    record = np.zeros([200, 3], np.int32)
+    record[:, 1] = 8
+    problems = checker.rejoined(outcome, record, 10.0)
+    assert len(problems) == 1 and "worker1 back at step 100" in problems[0]
+    record[115, 2] = 1   # in an average 15 s after its return
+    assert checker.rejoined(outcome, record, 10.0) == []
+
+
+@pytest.mark.hosts
+def test_three_short_schedules_cover_every_fault_kind(tmp_path):
+    """The suite's nemesis: every fault kind on 4 workers; each schedule
+    judged by the whole checker (parameters against the 1-worker run,
+    each step's average, statuses, rejoins, cleanup)."""
+    from trainer.bench.simhosts import hosts
+    try:
+        hosts.check_available()
+    except Exception as e:  # noqa: BLE001 (skips with its one line)
+        pytest.skip(str(e))
+    data = helpers.real_mnist_dir()
+    if data is None:
+        pytest.skip("real MNIST not found")
+    before = set(_namespaces())
+    out = tmp_path / "nemesis"
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.nemesis", "--covering",
+         "--schedules=3", "--seed=1", "--workers=4", "--train_steps=1500",
+         "--max_fault_secs=25", f"--data_dir={data}", f"--out={out}"],
+        capture_output=True, text=True, timeout=420, cwd=helpers.REPO,
+        env=helpers.python_env())
+    print(result.stdout[-3000:])
+    rows = json.loads((out / "nemesis.json").read_text())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[
+        -3000:]
+    assert len(rows) == 3 and all(r["passed"] for r in rows)
+    kinds = {f.split()[0] for r in rows for f in r["faults"]}
+    assert kinds == set(schedule.KINDS)
+    assert set(_namespaces()) <= before
+
+
+def _namespaces() -> list[str]:
+    path = pathlib.Path("/run/netns")
+    return [p.name for p in path.iterdir()] if path.exists() else []

@@ -1,0 +1,190 @@
+"""The nemesis's checker: judges one schedule's run over its whole
+history, against the 1-worker run of the same flags.
+
+Each check returns a list of problems (empty: passed):
+  * `parameters`: every parameter and optimizer slot within the
+    yardstick of the 1-worker run (largest relative difference, max |a -
+    b| / max |a| per variable);
+  * `steps`: every step of this run averaged exactly the global batch,
+    each example once (the chief's per-step record, averaged_by_step.npy),
+    and the global step never went back (the chief's progress lines);
+  * `statuses`: every task ended, with status 0 except one killed or
+    stopped for good, or one still cut off when the run ended;
+  * `rejoined`: every worker that came back and stayed up averaged
+    examples again within --worker_timeout_secs + REJOIN_SLACK_SECS.
+"""
+
+import datetime
+import json
+import pathlib
+import re
+
+import numpy as np
+import tensorflow as tf
+
+from trainer.bench.nemesis import schedule as schedule_lib
+from trainer.observe import progress_line
+
+REJOIN_SLACK_SECS = 10.0
+RECORD_FILE = "averaged_by_step.npy"
+# What a restarted worker logs once it is up and asks to be taken in:
+# its return, for the rejoin check (trainer/roles/worker.py).
+_ASKED = "asked the chief to take it in"
+
+
+def checkpoint_values(logdir: pathlib.Path) -> dict:
+    """name -> value of every float variable of the newest checkpoint but
+    the protocol's own (sync/*) and the step."""
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(logdir)))
+    names = reader.get_variable_to_shape_map()
+    return {name: reader.get_tensor(name) for name in names
+            if not name.startswith("sync/") and name != "global_step"}
+
+
+def largest_difference(reference: dict, values: dict) -> tuple[float, str]:
+    """(max over variables of max |a - b| / max |a|, that variable)."""
+    worst, where = 0.0, ""
+    for name, a in reference.items():
+        b = values[name]
+        scale = float(np.max(np.abs(a))) or 1.0
+        diff = float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) / scale
+        if diff > worst:
+            worst, where = diff, name
+    return worst, where
+
+
+def parameters(reference: dict, logdir: pathlib.Path,
+               yardstick: float) -> tuple[list, float, str]:
+    """(problems, largest relative difference, its variable)."""
+    try:
+        values = checkpoint_values(logdir)
+    except (ValueError, tf.errors.OpError, TypeError) as e:
+        return [f"no final checkpoint: {e}"], float("nan"), ""
+    if values.keys() != reference.keys():
+        return [f"checkpoint variables differ: "
+                f"{sorted(values.keys() ^ reference.keys())}"], float("nan"), ""
+    worst, where = largest_difference(reference, values)
+    problems = ([] if worst <= yardstick else
+                [f"{where} is {worst:.3g} from the 1-worker run "
+                 f"(yardstick {yardstick:g})"])
+    return problems, worst, where
+
+
+def steps(logdir: pathlib.Path, chief_logs: list[str],
+          train_steps: int) -> list:
+    """Per-step averaging (this launch of the chief) and the global step's
+    progress in every chief log."""
+    problems = []
+    path, results_path = logdir / RECORD_FILE, logdir / "results.json"
+    if not path.exists() or not results_path.exists():
+        problems.append(f"no per-step record ({RECORD_FILE}, results.json)")
+    else:
+        results = json.loads(results_path.read_text())
+        batch = int(results["flags"]["batch_size"])
+        first = int(results["global_step"]) - int(results["steps_this_run"])
+        rows = np.load(path)[first:train_steps]  # int32 [steps, 1 + N]
+        short = [first + i for i, row in enumerate(rows)
+                 if row[0] != 1 or row[1:].sum() != batch]
+        if short:
+            problems.append(f"{len(short)} steps did not average the global "
+                            f"batch exactly once, first {short[:5]}")
+    for i, text in enumerate(chief_logs):
+        seen = [p["step"] for p in map(progress_line.parse_progress_line,
+                                       text.splitlines()) if p]
+        if any(b < a for a, b in zip(seen, seen[1:])):
+            problems.append(f"the global step went back in the chief's "
+                            f"log {i}")
+    return problems
+
+
+def statuses(codes: dict, faults: list, in_effect: dict) -> list:
+    """Every task ended; 0 unless its last fault left it down."""
+    problems = []
+    for task, code in codes.items():
+        if code is None:
+            problems.append(f"{task} did not end")
+            continue
+        last = [f for f in faults if f.task == task]
+        gone = last and last[-1].kind in (schedule_lib.KILL,
+                                          schedule_lib.TERM)
+        if code != 0 and not gone and task not in in_effect:
+            problems.append(f"{task} exited {code}")
+    return problems
+
+
+def rejoined(outcome, record: np.ndarray | None,
+             timeout_secs: float) -> list:
+    """Each return of a worker that then stayed up until the bound: it is
+    in some step's average within timeout_secs + REJOIN_SLACK_SECS. A
+    return is the end of a stop, cut, slow or starve, or a restarted
+    process asking to be taken in (its import and graph take time that
+    is not the protocol's)."""
+    if record is None:
+        return []
+    problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
+    for when, task, what in returns(outcome):
+        k = int(task[len("worker"):])
+        deadline = when + bound
+        if deadline > outcome.ended_at or any(
+                t == task and when < at <= deadline and _is_hit(w)
+                for at, _, t, w in outcome.history):
+            continue  # the run ended, or it was hit again, first
+        step_then = _step_at(outcome.steps_seen, when)
+        step_due = _step_at(outcome.steps_seen, deadline)
+        if not record[step_then:step_due + 1, 1 + k].any():
+            problems.append(f"{task} back at step {step_then} ({what}) "
+                            f"averaged nothing by step {step_due}, "
+                            f"{bound:.0f} s later")
+    return problems
+
+
+def returns(outcome) -> list[tuple[float, str, str]]:
+    """(wall time, task, what) of each worker's return."""
+    found, starts = [], {}
+    for when, _, task, what in outcome.history:
+        if task in ("ps0", "worker0"):
+            continue
+        if what == "start":
+            starts[task] = starts.get(task, -1) + 1
+            if starts[task] == 0:
+                continue
+            asked = _asked_at(outcome.folder / f"{task}.{starts[task]}.log")
+            if asked is not None:
+                found.append((asked, task, "restarted"))
+        elif what.startswith("end "):
+            found.append((when, task, what))
+    return found
+
+
+def _is_hit(what: str) -> bool:
+    return not what.startswith("end ") and what != "start"
+
+
+_ABSL_TIME = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)")
+
+
+def _asked_at(log: pathlib.Path) -> float | None:
+    """The wall time of the log's 'asked the chief' line (absl's local
+    time; the year is this one)."""
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if _ASKED in line:
+            match = _ABSL_TIME.match(line)
+            if match:
+                month, day, clock = match.groups()
+                stamp = datetime.datetime.strptime(
+                    f"{datetime.date.today().year}-{month}-{day} {clock}",
+                    "%Y-%m-%d %H:%M:%S.%f")
+                return stamp.timestamp()
+    return None
+
+
+def _step_at(steps_seen: list, when: float) -> int:
+    """The chief's step last seen at wall time `when`."""
+    step = 0
+    for seen_at, seen in steps_seen:
+        if seen_at > when:
+            break
+        step = seen
+    return step

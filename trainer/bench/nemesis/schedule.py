@@ -1,0 +1,89 @@
+"""Fault schedules: which fault hits which task at which step, drawn from
+a seed, so that any schedule can be replayed from its seed alone.
+
+A schedule is a list of `Fault`s. Faults may overlap, also on one worker
+(a worker paused while its link is down). Only workers other than the
+chief are targets for now; `Fault.task` names the task so that chief and
+ps faults can be added without changing the format.
+"""
+
+import dataclasses
+import random
+
+# The fault kinds. Each one hits a task at a step and (but for kill and
+# term that are never undone) is undone after `secs`:
+#   kill:  SIGKILL; the same command starts again after `secs` (None: never)
+#   term:  SIGTERM (preemption); started again after `secs` (None: never)
+#   stop:  SIGSTOP, then SIGCONT after `secs`
+#   cut:   the host's link down, up again after `secs`
+#   slow:  the host's link at SLOW_RATE for `secs`
+#   starve: the host's CPU at STARVE_CORES for `secs`
+KILL, TERM, STOP, CUT, SLOW, STARVE = ("kill", "term", "stop", "cut",
+                                      "slow", "starve")
+KINDS = (KILL, TERM, STOP, CUT, SLOW, STARVE)
+# Kinds that need simulated hosts (root): a link or a CPU budget.
+HOST_KINDS = (CUT, SLOW, STARVE)
+SLOW_RATE = "1mbit"
+STARVE_CORES = 0.05
+# How long each kind lasts (seconds, drawn uniformly); the cut spans
+# both sides of a --worker_timeout_secs of 10 s.
+DURATION = {KILL: (1.0, 20.0), TERM: (1.0, 20.0), STOP: (1.0, 30.0),
+            CUT: (1.0, 40.0), SLOW: (2.0, 20.0), STARVE: (2.0, 20.0)}
+# The share of kills and terms whose task is never started again.
+NEVER_BACK = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One fault: `kind` hits `task` ("worker2") once the chief has logged
+    step `at_step`, and is undone `secs` later (None: never)."""
+
+    kind: str
+    task: str
+    at_step: int
+    secs: float | None
+
+    def describe(self) -> str:
+        lasting = "never back" if self.secs is None else f"{self.secs:.0f} s"
+        return f"{self.kind} {self.task} @{self.at_step} ({lasting})"
+
+
+def draw(seed: int, workers: int, train_steps: int, faults: int,
+         kinds=KINDS, max_secs: float | None = None) -> list[Fault]:
+    """`faults` faults of random kinds on workers 1..workers-1, sorted by
+    step, none lasting over max_secs; the same arguments give the same
+    list."""
+    rng = random.Random(seed)
+    return _sorted([_one(rng, rng.choice(list(kinds)), workers, train_steps,
+                         max_secs) for _ in range(faults)])
+
+
+def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
+             max_secs: float | None = None) -> list[Fault]:
+    """One fault of every kind in `kinds` (the suite's short schedules),
+    on random workers at random steps."""
+    rng = random.Random(seed)
+    return _sorted([_one(rng, kind, workers, train_steps, max_secs)
+                    for kind in kinds])
+
+
+def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
+         max_secs: float | None) -> Fault:
+    """A fault of `kind` at a step in the first 70% of the run (so that a
+    worker that comes back has steps left to rejoin in)."""
+    if workers < 2:
+        raise ValueError("a fault schedule needs a worker besides the chief")
+    low, high = DURATION[kind]
+    if max_secs is not None:
+        high = min(high, max_secs)
+        low = min(low, high)
+    secs = round(rng.uniform(low, high), 1)
+    if kind in (KILL, TERM) and rng.random() < NEVER_BACK:
+        secs = None
+    last = max(11, int(0.7 * train_steps))
+    return Fault(kind, f"worker{rng.randrange(1, workers)}",
+                 rng.randrange(10, last), secs)
+
+
+def _sorted(faults: list[Fault]) -> list[Fault]:
+    return sorted(faults, key=lambda f: (f.at_step, f.task, f.kind))
