@@ -2,6 +2,7 @@
 evaluates, checkpoints, summarizes and reports; at the end it tells every
 ps task to exit."""
 
+import contextlib
 import pathlib
 import time
 
@@ -53,8 +54,7 @@ class Chief(WorkerRole):
                      self.train_steps)
         writer = summaries.summary_writer(str(logdir), self.g.graph)
         with self._membership_watch(logdir, writer) as watch, \
-                deadlines.RoundDeadlines(self.session, ops.deadlines,
-                                         ops.late_op, *ops.late_in):
+                self._round_deadlines():
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),
@@ -92,6 +92,15 @@ class Chief(WorkerRole):
             self.task.cluster, self.config, writer,
             on_unreachable=lambda at, who: self._stop_stalled_run(
                 logdir, at, who))
+
+    def _round_deadlines(self):
+        """The deadline thread, where rounds have deadlines (balanced
+        slices, no backup workers: Pace.deadlines); else nothing."""
+        ops = self.g.chief
+        if ops.deadlines is None:
+            return contextlib.nullcontext()
+        return deadlines.RoundDeadlines(self.session, ops.deadlines,
+                                        ops.late_op, *ops.late_in)
 
     def _wait_for_workers(self, count: int) -> None:
         """Takes in the workers that joined until `count` are in (at most

@@ -12,17 +12,16 @@ it: a round's deadline falls at least its seconds after its plan, later
 when the thread was still sleeping on an earlier round.
 """
 
-import threading
-
 from absl import logging
 import tensorflow as tf
 
 from trainer.common.tf_session import error_summary
+from trainer.roles.background import BackgroundThread
 
 TAKE_TIMEOUT_MS = 500   # how long one take waits, so that stop is seen
 
 
-class RoundDeadlines:
+class RoundDeadlines(BackgroundThread):
     """A thread beside the chief's training runs (a context manager)."""
 
     def __init__(self, session, take: tf.Tensor, late_op: tf.Operation,
@@ -35,40 +34,35 @@ class RoundDeadlines:
             every queued request, waiting for at least one.
           late_op: sends LATE for (step_in, round_in).
         """
+        # No period: each take waits up to TAKE_TIMEOUT_MS by itself.
+        super().__init__("round-deadlines", 0.0,
+                         TAKE_TIMEOUT_MS / 1000 * 4)
         self._session, self._take, self._late = session, take, late_op
         self._step_in, self._round_in = step_in, round_in
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="round-deadlines")
+        self._options = tf.compat.v1.RunOptions(
+            timeout_in_ms=TAKE_TIMEOUT_MS)
+        self._complained = False
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=TAKE_TIMEOUT_MS / 1000 * 4)
-
-    def _run(self) -> None:
-        options = tf.compat.v1.RunOptions(timeout_in_ms=TAKE_TIMEOUT_MS)
-        complained = False
-        while not self._stop.is_set():
-            try:
-                # A request taken just as the take times out is lost: that
-                # round then waits for its members, as without a deadline.
-                steps, rounds, secs = self._session.run(self._take,
-                                                        options=options)
-                if self._stop.wait(float(secs[-1])):
-                    return
-                self._session.run(self._late, {self._step_in: steps[-1],
-                                               self._round_in: rounds[-1]},
-                                  options=options)
-            except tf.errors.DeadlineExceededError:
-                continue
-            except (tf.errors.OpError, RuntimeError) as e:  # closed session
-                if not complained and not self._stop.is_set():
-                    logging.warning("round deadlines paused: %s",
-                                    error_summary(e) if isinstance(
-                                        e, tf.errors.OpError) else e)
-                complained = True
-                self._stop.wait(TAKE_TIMEOUT_MS / 1000)
+    def run_once(self) -> bool | None:
+        """Takes the queued requests, waits the newest one's seconds and
+        sends its LATE; False if stopped meanwhile."""
+        try:
+            # A request taken just as the take times out is lost: that
+            # round then waits for its members, as without a deadline.
+            steps, rounds, secs = self._session.run(self._take,
+                                                    options=self._options)
+            if self.wait(float(secs[-1])):
+                return False
+            self._session.run(self._late, {self._step_in: steps[-1],
+                                           self._round_in: rounds[-1]},
+                              options=self._options)
+        except tf.errors.DeadlineExceededError:
+            pass
+        except (tf.errors.OpError, RuntimeError) as e:  # closed session
+            if not self._complained and not self.stopping:
+                logging.warning("round deadlines paused: %s",
+                                error_summary(e) if isinstance(
+                                    e, tf.errors.OpError) else e)
+            self._complained = True
+            self.wait(TAKE_TIMEOUT_MS / 1000)
+        return None

@@ -74,7 +74,8 @@ class ChiefOps:
     issued_round: tf.Tensor           # int64 [N]: round of each's last token
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
-    deadlines: tuple                  # state.take_deadlines
+    deadlines: tuple | None           # state.take_deadlines; None where
+                                      # deadlines are off (Pace.deadlines)
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
     halt_op: tf.Tensor                # ends the loop at a step boundary;
@@ -193,7 +194,8 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         late_in = (tf.compat.v1.placeholder(tf.int64, [], "late_step"),
                    tf.compat.v1.placeholder(tf.int64, [], "late_round"))
         late_op = shared.send_event(state_lib.LATE, 0, *late_in)
-        deadlines = shared.take_deadlines()
+        deadlines = (shared.take_deadlines() if rule.pace.deadlines
+                     else None)
         stop_op = coord.stop_op(stop_reason_in)
         take_finished = coord.take_reports()
         contributions = shared.contributions.read_value()

@@ -25,7 +25,6 @@ itself stops: trainer/roles/step.py.)
 
 import dataclasses
 import socket
-import threading
 import time
 from typing import Callable
 
@@ -34,6 +33,7 @@ import numpy as np
 
 from trainer.cluster.spec import split_address
 from trainer.observe import summaries
+from trainer.roles.background import BackgroundThread
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
@@ -54,7 +54,7 @@ class _Round:
     issued_round: np.ndarray  # int64 [N]: the round of each one's last token
 
 
-class MembershipWatch:
+class MembershipWatch(BackgroundThread):
     """A thread beside the chief's training runs (a context manager)."""
 
     def __init__(self, read: Callable, take_records: Callable,
@@ -72,23 +72,19 @@ class MembershipWatch:
           config: the TrainConfig (timeouts, min_workers, log_every).
           writer: a FileWriter for membership scalars, or None.
         """
+        super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
         self._read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
         self.records = []        # {"step", "event", "worker", "workers"}
         self.reasons = {}        # worker -> why we reported it lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name="membership")
+        # worker -> (its last push's round, when that changed, reported)
+        self._heard, self._failing_since = {}, None
+        self._logged_step, self._last = -1, time.monotonic()
 
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=CHECK_SECS * 8)
+    def stop(self) -> None:
+        super().stop()
         self.take_records()   # what the last rounds recorded
 
     def take_records(self) -> None:
@@ -110,31 +106,29 @@ class MembershipWatch:
         summaries.write_scalars(self._writer, step,
                                {"membership/workers": count})
 
-    def _watch(self) -> None:
-        heard, failing_since = {}, None
-        logged_step, last = -1, time.monotonic()
-        timeout = self._config.worker_timeout_secs
-        while not self._stop.wait(CHECK_SECS):
-            now = time.monotonic()
-            if now - last > STALL_SECS:
-                # This process did not run (stopped, swapped out): the
-                # time lost is not the workers' silence.
-                heard, failing_since = {}, None
-            last = now
-            try:
-                state = self._read()
-                self.take_records()
-            except Exception:  # noqa: BLE001 (any failure: no answer)
-                failing_since = failing_since or now
-                if now - failing_since >= timeout:
-                    self._on_unreachable(None, self._cluster.describe(
-                        "ps", 0) + ", which does not answer")
-                    return
-                continue
-            failing_since = None
-            logged_step = self._write_slices(state, logged_step)
-            for k in self._late(state):
-                self._check_silent(k, state, heard, now)
+    def run_once(self) -> bool | None:
+        """One check of the round; False once ps 0 was given up on."""
+        now = time.monotonic()
+        if now - self._last > STALL_SECS:
+            # This process did not run (stopped, swapped out): the time
+            # lost is not the workers' silence.
+            self._heard, self._failing_since = {}, None
+        self._last = now
+        try:
+            state = self._read()
+            self.take_records()
+        except Exception:  # noqa: BLE001 (any failure: no answer)
+            self._failing_since = self._failing_since or now
+            if now - self._failing_since >= self._config.worker_timeout_secs:
+                self._on_unreachable(None, self._cluster.describe(
+                    "ps", 0) + ", which does not answer")
+                return False
+            return None
+        self._failing_since = None
+        self._logged_step = self._write_slices(state, self._logged_step)
+        for k in self._late(state):
+            self._check_silent(k, state, self._heard, now)
+        return None
 
     def _check_silent(self, k: int, state: _Round, heard: dict,
                       now: float) -> None:

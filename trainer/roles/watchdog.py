@@ -21,6 +21,8 @@ from typing import Callable
 
 from absl import logging
 
+from trainer.roles.background import BackgroundThread
+
 CHECK_SECS = 2.0
 WARN_EVERY_SECS = 10.0
 READ_DEADLINE_SECS = 5.0
@@ -60,7 +62,7 @@ class BoundedRead:
         return self._box["value"]
 
 
-class Watchdog:
+class Watchdog(BackgroundThread):
     """Warns about, then acts on, a global step that does not move."""
 
     def __init__(self, read_progress: Callable[[], tuple[int, list]],
@@ -85,6 +87,7 @@ class Watchdog:
             return_after_secs without answering (a worker whose link came
             back joins again: trainer/roles/lifecycle.py).
         """
+        super().__init__("watchdog", CHECK_SECS, CHECK_SECS * 3)
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable
@@ -95,17 +98,7 @@ class Watchdog:
         self._on_timeout = on_timeout
         self._on_return, self._return_after = on_return, return_after_secs
         self._busy = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True,
-                                        name="watchdog")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=CHECK_SECS * 3)
+        self._idle(time.monotonic())
 
     def busy(self, timeout_secs: float | None = None,
              timeout_flag: str | None = None):
@@ -129,40 +122,43 @@ class Watchdog:
 
         return _Busy()
 
-    def _watch(self) -> None:
-        last_step, since, next_warning = None, time.monotonic(), None
-        failing_since = None
-        while not self._stop.wait(CHECK_SECS):
-            now = time.monotonic()
-            if not self._busy.is_set():
-                last_step, since, next_warning = None, now, None
-                failing_since = None
-                continue
-            try:
-                step, admitted = self._read()
-            except Exception:  # noqa: BLE001 (any failure: no progress)
-                failing_since = failing_since or now
-                if now - since >= self._run_timeout:
-                    self._on_timeout(last_step, self._unreachable)
-                    return
-                continue
-            if failing_since is not None and self._on_return is not None \
-                    and now - failing_since >= self._return_after:
-                self._on_return(now - failing_since)
-                return
-            failing_since = None
-            if step != last_step:
-                last_step, since = step, now
-                next_warning = now + WARN_EVERY_SECS
-                continue
-            stalled = now - since
-            if stalled >= self._run_timeout:
-                self._on_timeout(step, self._describe(admitted))
-                return
-            if next_warning is not None and now >= next_warning:
-                logging.warning(
-                    "global step %d has not moved for %.0f s; waiting for "
-                    "%s (giving up after %.0f s, %s)",
-                    step, stalled, self._describe(admitted),
-                    self._run_timeout, self._run_flag)
-                next_warning = now + WARN_EVERY_SECS
+    def _idle(self, now: float) -> None:
+        """Forgets the busy period: no step seen, none failing."""
+        self._last_step, self._since, self._next_warning = None, now, None
+        self._failing_since = None
+
+    def run_once(self) -> bool | None:
+        """One check; False once on_timeout or on_return was called."""
+        now = time.monotonic()
+        if not self._busy.is_set():
+            self._idle(now)
+            return None
+        try:
+            step, admitted = self._read()
+        except Exception:  # noqa: BLE001 (any failure: no progress)
+            self._failing_since = self._failing_since or now
+            if now - self._since >= self._run_timeout:
+                self._on_timeout(self._last_step, self._unreachable)
+                return False
+            return None
+        if self._failing_since is not None and self._on_return is not None \
+                and now - self._failing_since >= self._return_after:
+            self._on_return(now - self._failing_since)
+            return False
+        self._failing_since = None
+        if step != self._last_step:
+            self._last_step, self._since = step, now
+            self._next_warning = now + WARN_EVERY_SECS
+            return None
+        stalled = now - self._since
+        if stalled >= self._run_timeout:
+            self._on_timeout(step, self._describe(admitted))
+            return False
+        if self._next_warning is not None and now >= self._next_warning:
+            logging.warning(
+                "global step %d has not moved for %.0f s; waiting for "
+                "%s (giving up after %.0f s, %s)",
+                step, stalled, self._describe(admitted),
+                self._run_timeout, self._run_flag)
+            self._next_warning = now + WARN_EVERY_SECS
+        return None

@@ -1,0 +1,66 @@
+"""The threads beside a blocking training run: one skeleton for all.
+
+The step loop runs inside the graph, so while a session.run blocks no
+Python code of the training thread runs. What must happen meanwhile
+(the chief's membership watch, its round deadlines, every worker's
+watchdog) runs on a daemon thread: a BackgroundThread, used as a context
+manager around the training runs.
+"""
+
+import threading
+
+
+class BackgroundThread:
+    """A daemon thread that calls `run_once` every `period` seconds until
+    it is stopped or `run_once` returns False (a context manager: enter
+    starts it, exit stops it and joins it for at most `join_secs`).
+
+    A subclass whose rhythm is not a fixed period (it blocks in a read
+    of its own) overrides `loop`, waiting with `wait` so that a stop cuts
+    its sleep short.
+    """
+
+    def __init__(self, name: str, period: float, join_secs: float):
+        """
+        Args:
+          name: the thread's name (in stack dumps).
+          period: seconds between run_once calls (0: back to back).
+          join_secs: how long stop() waits for the thread to end.
+        """
+        self.period, self._join_secs = period, join_secs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.loop, daemon=True,
+                                        name=name)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Tells the thread to stop, and waits for it (at most join_secs)."""
+        self._stop.set()
+        self._thread.join(timeout=self._join_secs)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def wait(self, secs: float) -> bool:
+        """Sleeps `secs` or until stopped; True if stopped."""
+        return self._stop.wait(secs)
+
+    def loop(self) -> None:
+        """The thread's body: run_once every period until stopped."""
+        while not self.wait(self.period):
+            if self.run_once() is False:
+                return
+
+    def run_once(self) -> bool | None:
+        """One check; False ends the thread."""
+        raise NotImplementedError
