@@ -107,10 +107,10 @@ class Protocol:
             self.records = self.shared.take_membership()
             self.secs_in = tf.compat.v1.placeholder(tf.float32,
                                                     [num_workers])
-            # As after every worker answered a first piece (not timed).
+            # As after every worker answered a first slice (not timed).
             answered = tf.maximum(self.shared.issued_round.read_value(), 1)
             self.set_secs = tf.group(
-                self.shared.round_secs.assign(self.secs_in),
+                self.shared.slice_secs.assign(self.secs_in),
                 self.shared.issued_round.assign(answered),
                 self.shared.answered.assign(answered))
 

@@ -40,10 +40,10 @@ def test_the_newest_request_gets_its_late_event_after_its_seconds():
             assert session.run(shared.events.size()) == 0
 
 
-def test_the_watch_checks_a_benched_worker_with_a_piece_outstanding():
+def test_the_watch_checks_a_benched_worker_with_a_slice_outstanding():
     """A member a round's deadline left behind is no longer planned; if
-    it died, only its outstanding piece lets the membership watch find
-    it. A laggard that answered its probe is idle, not silent."""
+    it died, only its outstanding slice lets the membership watch find
+    it. A benched worker that answered its probe is idle, not silent."""
     state_now = membership._Round(
         step=7, round=12,
         planned=np.float32([1, 1, 0, 0, 0]),
@@ -52,6 +52,6 @@ def test_the_watch_checks_a_benched_worker_with_a_piece_outstanding():
         slices=np.zeros([5, 2], np.int64),
         last_push=np.int64([12, 11, 9, 10, 3]),
         issued_round=np.int64([12, 12, 11, 10, 5]))
-    # 1: planned, not pushed; 2: benched, its piece of round 11 out;
+    # 1: planned, not pushed; 2: benched, its slice of round 11 out;
     # 3: benched, answered; 4: not in the roster.
     assert membership.MembershipWatch._late(state_now) == [1, 2]

@@ -186,7 +186,7 @@ def test_backup_workers_first_members_win_and_late_ones_are_dropped(
     assert protocol.read(protocol.shared.dropped) == 1
 
 
-def test_a_laggard_sits_out_rounds_between_probes(cluster):
+def test_a_benched_worker_sits_out_rounds_between_probes(cluster):
     """Balanced slices: a member whose rounds take over BENCH_FACTOR times
     every other member's gets no slice, except at a probe step."""
     protocol = Protocol(cluster, num_workers=3, slices="balanced")
@@ -197,7 +197,7 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     assert [tuple(t[2:]) for t in tokens.values()] == [(0, 32), (32, 64)]
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
                                   [1, 1, 0])
-    # At a probe step it gets a piece too, which the round does not wait
+    # At a probe step it gets a slice too, which the round does not wait
     # for: its push, however late, is timed, neither admitted nor dropped.
     rng = np.random.default_rng(8)
     probe = round_tokens(protocol, pace.PROBE_EVERY, [1, 2])
@@ -212,19 +212,18 @@ def test_a_laggard_sits_out_rounds_between_probes(cluster):
     push_all(protocol, rng, after)
     assert protocol.admit(after[0]) == (True, [0, 1])
     assert protocol.read(protocol.shared.dropped) == 0
-    secs = protocol.read(protocol.shared.round_secs)
+    secs = protocol.read(protocol.shared.slice_secs)
     # Measured: 0.5 averaged with the probe's time (which depends on the
     # machine's load, so only that it moved is certain).
     assert secs[2] != np.float32(0.5)
     assert secs[2] > pace.SPEED_MEMORY * 0.5
-    # No longer a laggard by the factor: in the next round.
+    # No longer benched by the factor: in the next round.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
     back = round_tokens(protocol, PROBE_FREE_STEP, [1, 2])
     push_all(protocol, rng, back)
     assert protocol.admit(back[0]) == (True, [0, 1, 2])
     protocol.apply(PROBE_FREE_STEP)
-    # A laggard again: benched a second time, its probes come twice as
-    # far apart.
+    # Benched a second time: its probes come twice as far apart.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.5]})
     for step, probed in ((3 * pace.PROBE_EVERY, False),
                          (4 * pace.PROBE_EVERY, True)):
@@ -257,7 +256,7 @@ def test_a_round_stops_waiting_for_a_late_minority(cluster):
     protocol.run(protocol.late, {protocol.step_in: PROBE_FREE_STEP,
                                  protocol.round_in: tokens[0][1]})
     assert protocol.admit(tokens[0]) == (False, [0, 1])
-    assert protocol.read(protocol.shared.round_secs)[2] > 0.06
+    assert protocol.read(protocol.shared.slice_secs)[2] > 0.06
     again = round_tokens(protocol, PROBE_FREE_STEP, [1])
     assert protocol.read(protocol.token_counts[2]) == 0
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
@@ -275,8 +274,8 @@ def test_a_round_stops_waiting_for_a_late_minority(cluster):
 
 
 def test_no_deadline_while_a_member_is_unmeasured(cluster):
-    """A worker that just joined warms up in its first piece: no round
-    deadline until every member has a piece time."""
+    """A worker that just joined warms up in its first slice: no round
+    deadline until every member has a slice time."""
     protocol = Protocol(cluster, num_workers=3, slices="balanced")
     protocol.join(1, 2)
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.05, 0.04, 0.0]})
@@ -300,8 +299,8 @@ def test_a_late_majority_is_waited_for(cluster):
     assert protocol.admit(tokens[0]) == (True, [0, 1, 2])
 
 
-def test_a_workers_first_piece_is_not_timed(cluster):
-    """The first piece after a join warms the worker's session up: it sets
+def test_a_workers_first_slice_is_not_timed(cluster):
+    """The first slice after a join warms the worker's session up: it sets
     no speed; the next one does, and a join again starts afresh."""
     protocol = Protocol(cluster, num_workers=2, slices="balanced")
     protocol.join(1)
@@ -312,18 +311,18 @@ def test_a_workers_first_piece_is_not_timed(cluster):
         assert protocol.admit(tokens[0]) == (True, [0, 1])
         protocol.apply(step)
         speed = protocol.read(protocol.shared.speed)
-        secs = protocol.read(protocol.shared.round_secs)
+        secs = protocol.read(protocol.shared.slice_secs)
         assert bool(np.all(speed > 0)) == measured, (step, speed)
         assert bool(np.all(secs > 0)) == measured, (step, secs)
     # The speed is a ratio of averages: examples over seconds of the
-    # recent pieces.
-    examples = protocol.read(protocol.shared.piece_examples)
+    # recent slices.
+    examples = protocol.read(protocol.shared.slice_examples)
     np.testing.assert_allclose(speed, examples / secs, rtol=1e-5)
     np.testing.assert_array_equal(examples, [32, 32])
     protocol.send(state.JOINED, 1)   # worker 1 restarted
     protocol.run(protocol.absorb)
     assert protocol.read(protocol.shared.speed)[1] == 0
-    assert protocol.read(protocol.shared.round_secs)[1] == 0
+    assert protocol.read(protocol.shared.slice_secs)[1] == 0
     assert protocol.read(protocol.shared.speed)[0] > 0
 
 

@@ -4,9 +4,10 @@ The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
 loop. This thread reads the round every CHECK_SECS (the same session,
 concurrently) and reports a member of the round that has not pushed
-anything (or a worker sitting rounds out whose probe or abandoned piece
-is outstanding) lost (a LOST event, which the rule in trainer/sync/averaging.py
-acts on: it plans the step again without it):
+anything (or a benched worker whose probe, or whose slice of a round
+that ended unfinished, is outstanding) lost (a LOST event, which the rule
+in trainer/sync/averaging.py acts on: it plans the step again without
+it):
 
 - a second after it fell silent, if its port refuses connections (the
   process is gone);
@@ -154,9 +155,9 @@ class MembershipWatch(BackgroundThread):
 
     @staticmethod
     def _late(state: _Round) -> list[int]:
-        """Workers in the roster (not the chief) with a piece outstanding:
+        """Workers in the roster (not the chief) with a slice outstanding:
         members of the round that have not pushed, and any other given a
-        token since its last push (a laggard's probe, or a member a
+        token since its last push (a benched worker's probe, or a member a
         round's deadline left behind: it sits rounds out, so only this
         finds it if it died)."""
         return [k for k in range(1, len(state.planned))

@@ -46,7 +46,7 @@ class StepParts:
 
 
 def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
-    """Worker k's piece of a step: token = (step, round, first, end),
+    """Worker k's slice of a step: token = (step, round, first, end),
     int64 [4] on ps 0. Returns the op that pushed its gradient (and passed
     on its pull turns)."""
     k, step = parts.k, token[0]
@@ -68,7 +68,7 @@ def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
 
 
 class ChiefStep:
-    """The chief's step: plan a round, its own piece, then the update of
+    """The chief's step: plan a round, its own slice, then the update of
     the step if every member pushed, else the same step again."""
 
     def __init__(self, parts: StepParts, rule: averaging.Averaging,
@@ -106,7 +106,7 @@ class ChiefStep:
 
 
 class WorkerStep:
-    """Any other worker's piece of a step, then its next token."""
+    """Any other worker's slice of a step, then its next token."""
 
     def __init__(self, parts: StepParts):
         self.parts = parts
@@ -127,7 +127,7 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
                   min_workers: int = 1) -> dict:
     """Runs from `start_token` (int64 [4]) inside one session.run.
 
-    The loop ends after num_steps steps (pieces, on a worker other than
+    The loop ends after num_steps steps (slices, on a worker other than
     the chief), at train_steps, at a token that is not work (STOP,
     REJOIN), or, on the chief, when its Python side sets `halt` or fewer
     than min_workers are in. Returns the

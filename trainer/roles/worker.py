@@ -1,5 +1,5 @@
 """Workers other than the chief: wait for the chief, join, then compute
-and push a gradient for every piece the chief hands out, to the end.
+and push a gradient for every slice the chief hands out, to the end.
 
 Each step is `WorkerStep` in trainer/roles/step.py; connecting and coming
 back after a lost ps is trainer/roles/lifecycle.py.
@@ -21,7 +21,7 @@ JOIN_AGAIN_SECS = 5.0
 class Worker(WorkerRole):
 
     def run_connected(self) -> None:
-        """Joins, then computes every piece the chief hands out, to the
+        """Joins, then computes every slice the chief hands out, to the
         end (or the chief's STOP)."""
         h = self.g.handles
         self._wait_for_chief()

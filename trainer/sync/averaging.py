@@ -17,7 +17,7 @@ I3. The global step never goes back: only count_and_advance sets it, to
     progress lines]
 I4. A worker out of the round (not in the roster, or benched) is given no
     slice; a probe's push is timed, never admitted. [tests/test_sync.py
-    test_a_laggard_sits_out_rounds_between_probes, test_slices.py]
+    test_a_benched_worker_sits_out_rounds_between_probes, test_slices.py]
 I5. A member reads the parameters for step t only after step t - 1 is
     applied: its token is handed out by the plan, which runs after
     count_and_advance. [I1's checks]
@@ -43,7 +43,7 @@ For global step t the chief runs rounds until one completes:
    joins is added to the roster for the next plan. A member that leaves
    (lost, or SIGTERM) before pushing ends the round unfinished; so does a
    minority of members far past the round's deadline (balanced slices,
-   trainer/sync/pace.py), which then sit rounds out as laggards.
+   trainer/sync/pace.py), which are then benched (sit rounds out).
 4. If the round finished: average the admitted rows, dividing their sum
    by their example count, which is the gradient of the whole global
    batch (without backups); apply it; count each admitted worker; set
@@ -54,7 +54,7 @@ For global step t the chief runs rounds until one completes:
 Why this is exact whoever computes: each row is a gradient sum over its
 slice, dropout masks depend on the example, not the worker
 (trainer/learning/replica.py), so the average of a step does not depend
-on how its batch was cut, or on which worker computed which piece.
+on how its batch was cut, or on which worker computed which slice.
 
 Why not plain `SyncReplicasOptimizer`: its workers take their tokens from
 one shared queue, so a fast worker can take a slow one's token and count
@@ -101,12 +101,12 @@ class Averaging:
 
     def plan(self, step: tf.Tensor) -> tf.Tensor:
         """Starts a round of step `step` (int64 []): slices for the roster,
-        tokens to the other members (and a probe to a laggard). Returns
-        the chief's token (int64 [4])."""
+        tokens to the other members (and a probe to a benched worker).
+        Returns the chief's token (int64 [4])."""
         s = self.shared
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
-            out = self.pace.laggards(roster)
+            out = self.pace.benched(roster)
             members = tf.where(out, 0.0, roster)
             weight = slices_lib.weights(speed, members, self.slices)
             batch, unit = self.global_batch, self.unit
@@ -114,7 +114,7 @@ class Averaging:
                 slices_lib.bounds(members, batch, unit),
                 slices_lib.bounds(weight, batch, unit), weight,
                 BALANCE_GAIN)
-            probe, benched = self.pace.probes(step, out)
+            probe, count_benched = self.pace.probes(step, out)
             given = tf.logical_or(members > 0.5, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
                 slices_lib.weights(speed, roster, self.slices), batch,
@@ -123,7 +123,7 @@ class Averaging:
             # that captures it would repeat every iteration (from ps 0).
             round_ = tf.identity(s.round.assign_add(1))
             now = tf.timestamp()
-            with tf.control_dependencies([benched]):
+            with tf.control_dependencies([count_benched]):
                 writes = [s.planned.assign(members, read_value=False),
                           s.admitted.assign(tf.zeros_like(members),
                                             read_value=False),

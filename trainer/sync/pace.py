@@ -1,10 +1,10 @@
 """How fast each member is, as the rule (trainer/sync/averaging.py) sees
-it: every worker's speed and piece time, who sits rounds out as a
-laggard, when a laggard is probed, and when a round stops waiting for a
-member far behind the others. All of it acts with balanced slices only;
+it: every worker's speed and slice time, who is benched (sits rounds
+out), when a benched worker is probed, and when a round stops waiting for
+a member far behind the others. All of it acts with balanced slices only;
 `--slices=equal` keeps every member in every round and waits for all.
 
-A piece is timed from the plan that issued its token to its push, both on
+A slice is timed from the plan that issued its token to its push, both on
 ps 0's clock (the event's time is stamped as it arrives there).
 """
 
@@ -15,15 +15,15 @@ from trainer.sync.state import LATE, PUSHED, set_at
 
 # How much of a worker's measured speed carries over to the next round.
 SPEED_MEMORY = 0.7
-# A member whose pieces take this many times as long as every other
+# A member whose slices take this many times as long as every other
 # member's, even with its balanced slice, sits rounds out: its fixed cost
 # per round, not its share, would hold every step. Every PROBE_EVERY
-# steps it gets a probe, a piece that is timed but not waited for. Each
+# steps it gets a probe, a slice that is timed but not waited for. Each
 # time it is benched again (a probe made it look fast, its rounds did
 # not), its probes come twice as far apart, up to 2^MAX_BACKOFF times.
 BENCH_FACTOR, PROBE_EVERY, MAX_BACKOFF = 2.0, 20, 4
 # A round stops waiting for a member that has not pushed LATE_FACTOR
-# times the second slowest member's recent piece time (at least
+# times the second slowest member's recent slice time (at least
 # MIN_LATE_SECS) after the plan, if it is the only one late and two
 # members did push: it is planned again without it (it is benched), as if
 # it had left.
@@ -31,7 +31,7 @@ LATE_FACTOR, MIN_LATE_SECS = 3.0, 0.1
 
 
 class Pace:
-    """Timing state on ps 0 (SharedState's speed, round_secs, issued_*,
+    """Timing state on ps 0 (SharedState's speed, slice_secs, issued_*,
     answered, benched, deadlines) and what the rule decides from it."""
 
     def __init__(self, shared, slices: str, backup_workers: int):
@@ -40,21 +40,23 @@ class Pace:
         # With backups a round already ends without its slowest members.
         self.deadlines = self.balanced and backup_workers == 0
 
-    def laggards(self, roster: tf.Tensor) -> tf.Tensor:
-        """bool [N]: members that sit this round out (slices.laggards)."""
+    def benched(self, roster: tf.Tensor) -> tf.Tensor:
+        """bool [N]: members that sit this round out (slices.benched)."""
         if not self.balanced:
             return tf.zeros_like(roster, tf.bool)
-        return slices_lib.laggards(self.shared.round_secs.read_value(),
-                                   roster, BENCH_FACTOR)
+        return slices_lib.benched(self.shared.slice_secs.read_value(),
+                                  roster, BENCH_FACTOR)
 
     def probes(self, step: tf.Tensor, out: tf.Tensor) -> tuple:
-        """Which laggards (out: bool [N]) get a probe this round: bool [N],
-        and the op that counts the members benched since the last plan
-        (the plan's writes must wait for it: it reads sync/planned).
+        """Which benched workers (out: bool [N]) get a probe this round:
+        bool [N], and the op that counts the members benched since the
+        last plan (the plan's writes must wait for it: it reads
+        sync/planned).
 
-        A laggard with no piece outstanding gets, every PROBE_EVERY x
-        2^(times benched - 1) steps, the slice it would have: its time is
-        measured, its gradient is not waited for (trainer/sync/slices.py).
+        A benched worker with no slice outstanding gets, every
+        PROBE_EVERY x 2^(times benched - 1) steps, the slice it would
+        have: its time is measured, its gradient is not waited for
+        (trainer/sync/slices.py).
         """
         s = self.shared
         before = s.benched.read_value()
@@ -75,16 +77,16 @@ class Pace:
         """Asks the chief's deadline thread (trainer/roles/deadlines.py)
         for a LATE event when round `round_` of `step` has run too long:
         (step, round, seconds) onto sync/deadlines, if there is a member
-        to wait for and a piece time to go by."""
+        to wait for and a slice time to go by."""
         s = self.shared
         if not self.deadlines:
             return tf.no_op()
-        secs = tf.where(members > 0.5, s.round_secs.read_value(), 0.0)
-        # The second slowest member's piece time (the only one's if one).
+        secs = tf.where(members > 0.5, s.slice_secs.read_value(), 0.0)
+        # The second slowest member's slice time (the only one's if one).
         typical = tf.math.top_k(secs, min(2, s.num_workers)).values[-1]
         wait = tf.maximum(LATE_FACTOR * typical, MIN_LATE_SECS)
         # No deadline while a member is unmeasured: a worker that just
-        # joined warms up in its first piece, which is slow by nature.
+        # joined warms up in its first slice, which is slow by nature.
         measured = tf.reduce_all(tf.logical_or(members < 0.5, secs > 0))
         count = tf.cast(tf.logical_and(measured, tf.reduce_sum(
             members) > 2.5), tf.int32)
@@ -95,15 +97,15 @@ class Pace:
 
     def late(self, kind, for_step, for_round, step, round_, sent_at
              ) -> tuple:
-        """Acts on a LATE event: (the round is abandoned: bool [], the op
-        that benches its late member). Abandoned only if it is still this
+        """Acts on a LATE event: (the round ends unfinished: bool [], the
+        op that benches its late member). It ends only if it is still this
         round, exactly one member is late and at least two have pushed
         (the chief counts as pushed: it pushes before taking events). The
-        late member's piece time becomes at least the time it has taken so
+        late member's slice time becomes at least the time it has taken so
         far, and over BENCH_FACTOR times every punctual member's, which
-        benches it at the next plan (slices.laggards); its push, when it
+        benches it at the next plan (slices.benched); its push, when it
         comes, is timed. Two or more late members are waited for: the
-        laggard rule could bench neither, each as slow as the other, and
+        bench rule could bench neither, each as slow as the other, and
         the same members would redo the step."""
         s = self.shared
         planned, admitted = s.planned.read_value(), s.admitted.read_value()
@@ -118,22 +120,22 @@ class Pace:
             tf.logical_and(tf.equal(n_late, 1), n_pushed >= 2))
         punctual = tf.reduce_max(tf.where(
             tf.logical_and(planned > 0.5, tf.logical_not(late)),
-            s.round_secs.read_value(), 0.0))
+            s.slice_secs.read_value(), 0.0))
         late = tf.logical_and(late, abandon)
         which = tf.cast(tf.where(late)[:, 0], tf.int32)
         taken = tf.maximum(
             tf.cast(sent_at - tf.gather(s.issued_at.read_value(), which),
                     tf.float32), 1.01 * BENCH_FACTOR * punctual)
-        # Writes the late member only (never worker 0, whose round_secs
+        # Writes the late member only (never worker 0, whose slice_secs
         # the same event's record() may write).
-        benched = tf.raw_ops.ResourceScatterMax(
-            resource=s.round_secs.handle, indices=which, updates=taken)
-        return abandon, benched
+        bench_late = tf.raw_ops.ResourceScatterMax(
+            resource=s.slice_secs.handle, indices=which, updates=taken)
+        return abandon, bench_late
 
     def record(self, worker, for_round, timed, fresh_start, examples_now,
                secs_now) -> list:
         """The writes of one event's timing (`timing`'s outputs): worker's
-        piece examples, piece time and speed (their ratio), the round it
+        slice examples, slice time and speed (their ratio), the round it
         answered, and on a (re)join (fresh_start) its measures and bench
         count back to 0."""
         s, one = self.shared, worker[None]
@@ -141,13 +143,13 @@ class Pace:
         zero = tf.zeros_like(for_round)
         speed_now = tf.math.divide_no_nan(examples_now, secs_now)
         return [
-            set_at(s.piece_examples, one, tf.where(
+            set_at(s.slice_examples, one, tf.where(
                 measured, examples_now,
-                s.piece_examples.read_value()[worker])),
+                s.slice_examples.read_value()[worker])),
             set_at(s.speed, one, tf.where(measured, speed_now,
                                           s.speed.read_value()[worker])),
-            set_at(s.round_secs, one, tf.where(
-                measured, secs_now, s.round_secs.read_value()[worker])),
+            set_at(s.slice_secs, one, tf.where(
+                measured, secs_now, s.slice_secs.read_value()[worker])),
             set_at(s.answered, one, tf.where(timed, for_round, tf.where(
                 fresh_start, zero, s.answered.read_value()[worker]))),
             set_at(s.benched, one, tf.where(
@@ -155,16 +157,16 @@ class Pace:
 
     def timing(self, kind, worker, for_round, sent_at, fresh_start
                ) -> tuple:
-        """A push timed from the issue of its token (a piece of this round,
-        or a laggard's probe that arrives rounds later): (timed: bool [],
-        the worker's piece examples and piece time averaged with it:
-        float32 []).
+        """A push timed from the issue of its token (a slice of this round,
+        or a benched worker's probe that arrives rounds later): (timed:
+        bool [], the worker's slice examples and slice time averaged with
+        it: float32 []).
         fresh_start (bool []): the worker's measures restart at 0."""
         s = self.shared
-        # A worker's first piece since it joined (answered 0) includes
-        # warming up its session and graph, often 10x a later piece: kept,
+        # A worker's first slice since it joined (answered 0) includes
+        # warming up its session and graph, often 10x a later slice: kept,
         # it would make that worker look slow, and everyone look alike to
-        # the laggard rule, for several rounds.
+        # the bench rule, for several rounds.
         first = tf.equal(s.answered.read_value()[worker], 0)
         timed = tf.logical_and(tf.equal(kind, PUSHED), tf.equal(
             for_round, s.issued_round.read_value()[worker]))
@@ -176,7 +178,7 @@ class Pace:
                 old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
             return tf.where(fresh_start, tf.zeros_like(old), kept)
 
-        examples = averaged(s.piece_examples.read_value()[worker],
+        examples = averaged(s.slice_examples.read_value()[worker],
                             s.stats.read_value()[worker][0])
-        secs = averaged(s.round_secs.read_value()[worker], elapsed)
+        secs = averaged(s.slice_secs.read_value()[worker], elapsed)
         return timed, examples, secs

@@ -39,18 +39,18 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
                     tf.zeros_like(speed))
 
 
-def laggards(round_secs: tf.Tensor, roster: tf.Tensor,
-             factor: float) -> tf.Tensor:
-    """bool [N]: members other than the chief whose recent pieces took
-    over `factor` times as long as every other member's (round_secs:
+def benched(slice_secs: tf.Tensor, roster: tf.Tensor,
+            factor: float) -> tf.Tensor:
+    """bool [N]: members other than the chief whose recent slices took
+    over `factor` times as long as every other member's (slice_secs:
     float32 [N], 0 until measured; roster: float32 [N], 1 = in).
 
     Balanced slices equalize the members' times, so a member still far
-    behind is bound by its fixed cost per piece (pulling, pushing, a
+    behind is bound by its fixed cost per slice (pulling, pushing, a
     starved host), not by its share: giving it fewer examples cannot
     help, and leaving it out of the round can.
     """
-    secs = tf.where(roster > 0.5, round_secs, 0.0)
+    secs = tf.where(roster > 0.5, slice_secs, 0.0)
     top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])
@@ -96,7 +96,7 @@ def prefer(base: tf.Tensor, new: tf.Tensor, weight: tf.Tensor,
     one) unless the speeds `weight` (float32 [N]) predict that `base`
     takes over 1 + `gain` (1.2) times as long as `new`; then `new`.
 
-    A piece's measured time is noisy (a host's CPU comes in bursts of a
+    A slice's measured time is noisy (a host's CPU comes in bursts of a
     CFS period), so balanced slices that followed every measurement moved
     examples back and forth between equal hosts (27 to 62 of 128 among
     three), and each round waited for whichever member the noise had

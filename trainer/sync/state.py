@@ -129,19 +129,19 @@ class SharedState:
 
     def _timing_variables(self, n: list, zeros) -> None:
         """Per worker, on the current (ps 0) device: its speed, how long
-        its pieces take, and what it was issued and answered last."""
+        its slices take, and what it was issued and answered last."""
         # Examples per second of each worker, averaged over its recent
         # rounds; 0 until measured. Balanced slices follow it.
         self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
-        # The examples of each worker's recent pieces, averaged alike: its
-        # speed is this over round_secs (a ratio of averages, not an
-        # average of ratios, which a few unthrottled pieces would skew).
-        self.piece_examples = ps_variable("sync/piece_examples", n,
+        # The examples of each worker's recent slices, averaged alike: its
+        # speed is this over slice_secs (a ratio of averages, not an
+        # average of ratios, which a few unthrottled slices would skew).
+        self.slice_examples = ps_variable("sync/slice_examples", n,
                                           tf.float32, zeros, True)
-        # Seconds from token to push of each worker's recent pieces,
+        # Seconds from token to push of each worker's recent slices,
         # and when (ps 0's clock) and for which round its last token
         # was issued, and the last round it answered.
-        self.round_secs = ps_variable("sync/round_secs", n, tf.float32,
+        self.slice_secs = ps_variable("sync/slice_secs", n, tf.float32,
                                       zeros, True)
         self.issued_at = ps_variable("sync/issued_at", n, tf.float64,
                                      zeros, True)
@@ -149,7 +149,7 @@ class SharedState:
                                         tf.int64, zeros, True)
         self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
                                     True)
-        # How often each worker was benched as a laggard since it joined:
+        # How often each worker was benched since it joined:
         # its probes come PROBE_EVERY x 2^(times - 1) steps apart.
         self.benched = ps_variable("sync/benched", n, tf.int64, zeros, True)
         # The round of each worker's latest push, stale or not: the
@@ -159,7 +159,7 @@ class SharedState:
 
     def _gradient_rows(self, shard: int):
         """float32 [N, n_s] on shard s's ps: row k is worker k's gradient
-        sum of its latest piece."""
+        sum of its latest slice."""
         with tf.device(self.shard_devices[shard]):
             return ps_variable(
                 f"sync/grads_{shard}",

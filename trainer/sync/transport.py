@@ -74,7 +74,7 @@ class Transport:
 
         Args:
           token: int64 [4], the token the gradients were computed for.
-          shard_grads: float32 [n_s] per shard, the sum over this piece's
+          shard_grads: float32 [n_s] per shard, the sum over this slice's
             examples of the per-example loss gradient.
           stats: float32 [3], (examples, loss sum, correct predictions).
         """
