@@ -176,6 +176,13 @@ class FlatLayout:
             out[spec.name] = tf.reshape(flat, spec.shape)
         return out
 
+    def flatten(self, values: dict[str, tf.Tensor]) -> list[tf.Tensor]:
+        """Parameter tensors by name -> the shard vectors (float32
+        [sizes[i]]) holding them; the inverse of unflatten."""
+        flat = {name: tf.reshape(v, [-1]) for name, v in values.items()}
+        return [tf.concat([flat[p.name][p.start:p.stop] for p in pieces], 0)
+                for pieces in self.shards]
+
     def pack(self, values: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Per-parameter arrays by name -> the shard vectors (float32
         [sizes[i]]) holding them; the inverse of unflatten, in NumPy."""

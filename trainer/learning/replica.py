@@ -126,37 +126,57 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
     not by the slicing, give an example the same gradient whoever
     computes it.
     """
-    m = config.micro_batch
+    m = config.resolved_micro_batch(1)
     if not m:
         return _rows_gradients(config, layout, trainset, step, bounds,
                                shard_values)
+    bounds = (bounds[0], bounds[1])
     first = tf.cast(bounds[0], tf.int64)
     count = (tf.cast(bounds[1], tf.int64) - first) // m
+    # Read once for every micro-batch: the parameters by name (their
+    # gradients are summed by name and flattened once, after the loop),
+    # and the slice's images and labels.
+    by_name = layout.unflatten(shard_values)
+    names = list(by_name)
+    images, labels = trainset.batch(step, bounds)
 
     def one_micro_batch(i, grads, stats):
-        start = first + i * m
-        part = _rows_gradients(config, layout, trainset, step,
-                               (start, start + m), shard_values, m)
-        return (i + 1, [g + p for g, p in zip(grads, part.shard_grads)],
-                stats + part.stats)
+        start = tf.cast(i * m, tf.int32)
+        x = tf.ensure_shape(tf.slice(images, tf.stack([start, 0, 0, 0]),
+                                     [m, IMAGE_SIZE, IMAGE_SIZE, 1]),
+                            [m, IMAGE_SIZE, IMAGE_SIZE, 1])
+        y = tf.slice(labels, tf.reshape(start, [1]), [m])
+        rows = (first + i * m, first + (i + 1) * m)
+        out = _model(config, by_name, x,
+                     global_batch_dropout(config.seed, step, rows))
+        part = batch_stats(out, y)
+        new = tf.gradients(part[1], [by_name[n] for n in names])
+        return (i + 1, [g if d is None else g + d
+                        for g, d in zip(grads, new)], stats + part)
 
     _, grads, stats = tf.while_loop(
         lambda i, *_: i < count, one_micro_batch,
-        [tf.constant(0, tf.int64), [tf.zeros_like(v) for v in shard_values],
+        [tf.constant(0, tf.int64), [tf.zeros_like(by_name[n]) for n in names],
          tf.zeros([NUM_STATS])], parallel_iterations=MICRO_PARALLEL)
-    return Replica(step, grads, stats)
+    return Replica(step, layout.flatten(dict(zip(names, grads))), stats)
+
+
+def _model(config: TrainConfig, by_name: dict, images: tf.Tensor,
+           dropout: model_lib.Dropout) -> tf.Tensor:
+    """logits() with the parameters given by name (float32 tensors)."""
+    with tf.compat.v1.variable_scope(
+            params_lib.SCOPE, reuse=tf.compat.v1.AUTO_REUSE,
+            custom_getter=lambda getter, name, *a, **k: by_name[name]):
+        return model_lib.build(config.model, images, dropout, config.seed,
+                               config.hidden_units)
 
 
 def _rows_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
                     trainset: batches.InGraphTrainSet, step: tf.Tensor,
-                    bounds, shard_values: list, rows: int | None = None
-                    ) -> Replica:
-    """compute_gradients on rows [first, end) in one piece (`rows`: their
-    count where it is fixed)."""
+                    bounds, shard_values: list) -> Replica:
+    """compute_gradients on rows [first, end) in one piece."""
     bounds = (bounds[0], bounds[1])
     images, labels = trainset.batch(step, bounds)
-    if rows is not None:
-        images = tf.ensure_shape(images, [rows, IMAGE_SIZE, IMAGE_SIZE, 1])
     dropout = global_batch_dropout(config.seed, step, bounds)
     out = logits(config, layout, shard_values, images, dropout)
     stats = batch_stats(out, labels)
