@@ -33,6 +33,16 @@ def test_a_covering_schedule_has_every_kind_once():
         assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
 
 
+def test_a_hand_written_schedule_is_parsed_or_refused():
+    faults = schedule.parse("kill:worker2:50:never, cut:worker1:20:30")
+    assert faults == [schedule.Fault("cut", "worker1", 20, 30.0),
+                      schedule.Fault("kill", "worker2", 50, None)]
+    for bad in ("cut:worker1:20", "cut:worker0:20:5", "melt:worker1:2:3",
+                "cut:ps0:20:5", "cut:worker1:x:5"):
+        with pytest.raises(ValueError, match="bad fault"):
+            schedule.parse(bad)
+
+
 def test_durations_can_be_capped():
     faults = schedule.draw(3, 4, 600, 20, max_secs=12.0)
     assert all(f.secs is None or f.secs <= 12.0 for f in faults)

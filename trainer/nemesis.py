@@ -34,6 +34,9 @@ flags.DEFINE_integer("faults", 4, "Faults per schedule (with --covering: "
                      "one of each kind instead).", lower_bound=0)
 flags.DEFINE_float("max_fault_secs", None, "Cap on each fault's "
                    "duration (default: each kind's own range).")
+flags.DEFINE_string("schedule", None, "Run this schedule instead of "
+                    "drawing one: kind:task:step:secs items, comma "
+                    "separated, e.g. cut:worker1:100:30,kill:worker2:50:never.")
 flags.DEFINE_boolean("covering", False, "One fault of every kind per "
                      "schedule.")
 flags.DEFINE_integer("workers", 4, "Workers, the chief included.",
@@ -73,7 +76,7 @@ def train_flags() -> list[str]:
 
 def replay_command(seed: int) -> str:
     """The command that runs schedule `seed` alone."""
-    names = ("faults", "max_fault_secs", "covering", "workers", "model", "train_steps",
+    names = ("schedule", "faults", "max_fault_secs", "covering", "workers", "model", "train_steps",
              "hosts", "kinds", "cpu", "link_rate", "worker_timeout_secs",
              "yardstick", "train_flags", "data_dir")
     args = [f"--{n}={','.join(v) if isinstance(v, list) else v}"
@@ -114,11 +117,36 @@ def out_when(outcome: run_lib.Outcome) -> str:
                      if e)
 
 
+def check_flags(kinds) -> None:
+    """Raises UserError naming a bad --kinds or --schedule."""
+    chosen = list(kinds)
+    if FLAGS.schedule:
+        try:
+            faults = schedule_lib.parse(FLAGS.schedule)
+        except ValueError as e:
+            raise UserError(f"--schedule: {e}") from None
+        chosen = [f.kind for f in faults]
+        beyond = [f.task for f in faults
+                  if int(f.task[len("worker"):]) >= FLAGS.workers]
+        if beyond:
+            raise UserError(f"--schedule names {beyond[0]}, but "
+                            f"--workers={FLAGS.workers}")
+    unknown = [k for k in chosen if k not in schedule_lib.KINDS]
+    if unknown:
+        raise UserError(f"--kinds: {unknown[0]} is unknown; choose from "
+                        f"{', '.join(schedule_lib.KINDS)}")
+    needs_hosts = [k for k in chosen if k in schedule_lib.HOST_KINDS]
+    if needs_hosts and FLAGS.hosts != "simulated":
+        raise UserError(f"fault {needs_hosts[0]} needs --hosts=simulated "
+                        "(root)")
+
+
 def main(argv) -> int:
     del argv
     kinds = FLAGS.kinds or (schedule_lib.KINDS if FLAGS.hosts == "simulated"
                             else [k for k in schedule_lib.KINDS
                                   if k not in schedule_lib.HOST_KINDS])
+    check_flags(kinds)
     out = pathlib.Path(FLAGS.out or "nemesis/" + datetime.datetime.now()
                        .strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,9 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
     with _hosts(flags.hosts == "simulated") as sim:
         for i in range(flags.schedules):
             seed = flags.seed + i
-            if flags.covering:
+            if flags.schedule:
+                faults = schedule_lib.parse(flags.schedule)
+            elif flags.covering:
                 faults = schedule_lib.covering(
                     seed, setup.workers, flags.train_steps, kinds,
                     flags.max_fault_secs)

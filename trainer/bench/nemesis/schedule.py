@@ -87,3 +87,27 @@ def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
 
 def _sorted(faults: list[Fault]) -> list[Fault]:
     return sorted(faults, key=lambda f: (f.at_step, f.task, f.kind))
+
+
+def parse(text: str) -> list[Fault]:
+    """A hand-written schedule: "kind:task:step:secs" items, comma
+    separated ("never" for secs: not undone), e.g. "cut:worker1:100:30".
+    Raises ValueError naming the item and the form."""
+    faults = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split(":")
+        try:
+            kind, task, step, secs = parts
+            fault = Fault(kind, task, int(step),
+                          None if secs == "never" else float(secs))
+        except ValueError:
+            raise ValueError(f"bad fault {item!r}; write kind:task:step:secs"
+                             ", e.g. cut:worker1:100:30") from None
+        if kind not in KINDS or not task.startswith("worker") or \
+                task == "worker0" or not task[6:].isdigit():
+            raise ValueError(f"bad fault {item!r}: the kind is one of "
+                             f"{', '.join(KINDS)} and the task worker1, "
+                             "worker2, ...")
+        faults.append(fault)
+    return _sorted(faults)
+
