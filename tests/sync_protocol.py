@@ -88,7 +88,7 @@ class Protocol:
         with tf.device(device):
             self.planned = self.rule.plan(self.step_in)
             self.verdict = self.rule.admit(self.step_in, self.round_in)
-            rows = tf.where(self.shared.admitted.read_value() > 0.5)[:, 0]
+            rows = tf.where(self.shared.admitted.read_value())[:, 0]
             mean, self.step_stats = self.rule.average(rows)
             optimizer = tf.compat.v1.train.GradientDescentOptimizer(
                 LEARNING_RATE)

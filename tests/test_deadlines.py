@@ -46,9 +46,9 @@ def test_the_watch_checks_a_benched_worker_with_a_slice_outstanding():
     it. A benched worker that answered its probe is idle, not silent."""
     state_now = membership._Round(
         step=7, round=12,
-        planned=np.float32([1, 1, 0, 0, 0]),
-        admitted=np.float32([1, 0, 0, 0, 0]),
-        roster=np.float32([1, 1, 1, 1, 0]),
+        planned=np.array([1, 1, 0, 0, 0], bool),
+        admitted=np.array([1, 0, 0, 0, 0], bool),
+        roster=np.array([1, 1, 1, 1, 0], bool),
         slices=np.zeros([5, 2], np.int64),
         last_push=np.int64([12, 11, 9, 10, 3]),
         issued_round=np.int64([12, 12, 11, 10, 5]))

@@ -26,7 +26,7 @@ class Turns:
             turns = pull_turns.PullTurns(num_workers, devices, ordered=True)
             with tf.device(devices[0]):
                 self.step_in = tf.compat.v1.placeholder(tf.int64, [])
-                self.members_in = tf.compat.v1.placeholder(tf.float32,
+                self.members_in = tf.compat.v1.placeholder(tf.bool,
                                                            [num_workers])
             with tf.device("/job:worker/task:0"):
                 received = tf.identity(self.step_in)  # "its parameters"
@@ -78,7 +78,7 @@ def test_a_stale_turn_is_skipped_and_an_absent_predecessor_covered(cluster):
     assert turns.run(turns.waits[1][0], step=5) == 5
     # Worker 1 is out of the round: the plan gives worker 2 the turns
     # worker 1 would have passed (shards 0 and 1), and nobody else any.
-    turns.run(turns.cover, step=6, members=[1, 0, 1])
+    turns.run(turns.cover, step=6, members=[True, False, True])
     assert turns.run(turns.queued) == 2
     assert turns.run(turns.waits[2], step=6, timeout_secs=5.0) == [6, 6]
     assert turns.run(turns.queued) == 0

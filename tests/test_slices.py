@@ -21,8 +21,8 @@ def graph_bounds(weight, global_batch):
 def graph_weights(speed, members, mode):
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
         return session.run(slices.weights(
-            tf.constant(speed, tf.float32), tf.constant(members, tf.float32),
-            mode))
+            tf.constant(speed, tf.float32),
+            tf.constant(np.asarray(members, bool)), mode))
 
 
 def assert_a_cover(cut, weight, global_batch):

@@ -104,7 +104,7 @@ def test_a_member_lost_before_pushing_ends_the_round_unfinished(cluster):
     protocol.send(state.LOST, 1)
     assert protocol.admit(first[0]) == (False, [0, 2])
     np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
-                                  [1, 0, 1])
+                                  [True, False, True])
     second = round_tokens(protocol, 0, [2])
     assert protocol.read(protocol.token_counts[1]) == 0  # not planned in
     assert [tuple(t[2:]) for t in second.values()] == [(0, 32), (32, 64)]
@@ -132,7 +132,7 @@ def test_a_push_from_a_worker_given_up_on_brings_it_back(cluster):
     assert protocol.admit(second[0]) == (True, [0])
     assert protocol.read(protocol.shared.dropped) == 1
     np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
-                                  [1, 1])
+                                  [True, True])
     _, kinds, workers, _ = protocol.read(protocol.records)
     assert kinds.tolist()[-2:] == [state.LOST, state.JOINED]
 
@@ -147,7 +147,7 @@ def test_a_member_leaving_after_its_push_still_counts(cluster):
     protocol.push(0, tokens[0], *random_push(rng, 32))
     assert protocol.admit(tokens[0]) == (True, [0, 1])
     np.testing.assert_array_equal(protocol.read(protocol.shared.roster),
-                                  [1, 0])
+                                  [True, False])
 
 
 def test_a_member_that_joins_again_was_restarted(cluster):
@@ -196,13 +196,13 @@ def test_a_benched_worker_sits_out_rounds_between_probes(cluster):
     assert protocol.read(protocol.token_counts[2]) == 0
     assert [tuple(t[2:]) for t in tokens.values()] == [(0, 32), (32, 64)]
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
-                                  [1, 1, 0])
+                                  [True, True, False])
     # At a probe step it gets a slice too, which the round does not wait
     # for: its push, however late, is timed, neither admitted nor dropped.
     rng = np.random.default_rng(8)
     probe = round_tokens(protocol, pace.PROBE_EVERY, [1, 2])
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
-                                  [1, 1, 0])
+                                  [True, True, False])
     push_all(protocol, rng, {0: probe[0], 1: probe[1]})
     assert protocol.admit(probe[0]) == (True, [0, 1])
     protocol.apply(pace.PROBE_EVERY)
@@ -260,7 +260,7 @@ def test_a_round_stops_waiting_for_a_late_minority(cluster):
     again = round_tokens(protocol, PROBE_FREE_STEP, [1])
     assert protocol.read(protocol.token_counts[2]) == 0
     np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
-                                  [1, 1, 0])
+                                  [True, True, False])
     push_all(protocol, rng, again)
     assert protocol.admit(again[0]) == (True, [0, 1])
     # Its late push, when it comes, is timed and not counted as dropped.

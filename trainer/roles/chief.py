@@ -129,7 +129,7 @@ class Chief(WorkerRole):
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while never and time.monotonic() < deadline:
             roster = self.session.run(ops.absorb_op)
-            came = {k for k in never if roster[k] > 0.5}
+            came = {k for k in never if roster[k]}
             if came:
                 self.session.run(ops.end_op)
                 never -= came
@@ -268,7 +268,7 @@ class Chief(WorkerRole):
         """The gradients the other workers say they pushed, reported as
         they finish; waits only for those still in the roster."""
         roster = self.session.run(self.g.chief.roster)
-        expected = {k for k in range(1, len(roster)) if roster[k] > 0.5}
+        expected = {k for k in range(1, len(roster)) if roster[k]}
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while not expected <= reports.keys() and time.monotonic() < deadline:

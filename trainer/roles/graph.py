@@ -47,8 +47,8 @@ class WorkerHandles:
     stop_reason: tf.Tensor        # string []: why the chief stopped
     global_step: tf.Tensor        # int64 []
     round: tf.Tensor              # int64 []: the chief's current round
-    planned: tf.Tensor            # float32 [N]: 1 where in this round
-    admitted: tf.Tensor           # float32 [N]: 1 where pushed this round
+    planned: tf.Tensor            # bool [N]: who is in this round
+    admitted: tf.Tensor           # bool [N]: who pushed for this round
     join_op: tf.Operation         # drops old tokens, asks the chief in
     leave_op: tf.Operation        # tells the chief we leave (SIGTERM)
     tokens_waiting: tf.Tensor     # int32 []: tokens in our queue
@@ -66,9 +66,9 @@ class ChiefOps:
     transient_init_op: tf.Operation   # sync state a restore does not cover
     start_op: tf.Operation            # REJOIN to every worker
     mark_ready_op: tf.Operation       # tells the workers to go
-    absorb_op: tf.Tensor              # queued joins in; roster float32 [N]
+    absorb_op: tf.Tensor              # queued joins in; roster bool [N]
     membership: tuple                 # records so far (state.take_membership)
-    roster: tf.Tensor                 # float32 [N]
+    roster: tf.Tensor                 # bool [N]: who is in
     slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
     last_push: tf.Tensor              # int64 [N]: round of each's last push
     issued_round: tf.Tensor           # int64 [N]: round of each's last token
@@ -177,7 +177,7 @@ def _worker_handles(shared: state_lib.SharedState,
             admitted=shared.admitted.read_value(),
             join_op=coord.join_op(k), leave_op=coord.leave_op(k),
             tokens_waiting=coord.tokens_waiting(k),
-            in_roster=shared.roster.read_value()[k] > 0.5,
+            in_roster=shared.roster.read_value()[k],
             next_token=shared.next_token(k),
             pushed_in=pushed_in,
             finish_op=coord.report_finished(k, pushed_in))

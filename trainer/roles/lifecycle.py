@@ -195,7 +195,7 @@ class WorkerRole(abc.ABC):
 
         def describe_missing(admitted) -> str:
             missing = [k for k, flag in enumerate(admitted)
-                       if flag < 0.5 and k != self.k]
+                       if not flag and k != self.k]
             if not missing:
                 return "the chief to apply the step"
             return ", ".join(cluster.describe("worker", k) for k in missing)

@@ -47,9 +47,9 @@ STALL_SECS = 3.0         # a longer gap between checks: we did not run
 class _Round:
     step: int
     round: int
-    planned: np.ndarray    # float32 [N]
-    admitted: np.ndarray   # float32 [N]
-    roster: np.ndarray     # float32 [N]
+    planned: np.ndarray    # bool [N]
+    admitted: np.ndarray   # bool [N]
+    roster: np.ndarray     # bool [N]
     slices: np.ndarray     # int64 [N, 2]
     last_push: np.ndarray  # int64 [N]: the round of each one's last push
     issued_round: np.ndarray  # int64 [N]: the round of each one's last token
@@ -161,8 +161,8 @@ class MembershipWatch(BackgroundThread):
         round's deadline left behind: it sits rounds out, so only this
         finds it if it died)."""
         return [k for k in range(1, len(state.planned))
-                if state.roster[k] > 0.5 and (
-                    (state.planned[k] > 0.5 and state.admitted[k] < 0.5)
+                if state.roster[k] and (
+                    (state.planned[k] and not state.admitted[k])
                     or state.last_push[k] < state.issued_round[k])]
 
     def _refuses(self, k: int) -> bool:
@@ -184,6 +184,6 @@ class MembershipWatch(BackgroundThread):
             return logged_step
         sizes = state.slices[:, 1] - state.slices[:, 0]
         summaries.write_scalars(self._writer, state.step, {
-            f"membership/slice_{k}": int(size) * float(state.planned[k] > 0.5)
+            f"membership/slice_{k}": int(size) * float(state.planned[k])
             for k, size in enumerate(sizes)})
         return state.step

@@ -151,7 +151,8 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
                 # Python side asked to halt.
                 go = tf.logical_and(go, tf.logical_and(
                     tf.equal(shared.halt.read_value(), 0),
-                    tf.reduce_sum(shared.roster.read_value()) >= min_workers))
+                    state_lib.count(shared.roster.read_value())
+                    >= min_workers))
             return go
 
         done, next_token, stats = tf.while_loop(

@@ -107,15 +107,15 @@ class Averaging:
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
             out = self.pace.benched(roster)
-            members = tf.where(out, 0.0, roster)
+            members = tf.logical_and(roster, tf.logical_not(out))
             weight = slices_lib.weights(speed, members, self.slices)
             batch, unit = self.global_batch, self.unit
             cut = slices_lib.prefer(
-                slices_lib.bounds(members, batch, unit),
+                slices_lib.bounds(tf.cast(members, tf.float32), batch, unit),
                 slices_lib.bounds(weight, batch, unit), weight,
                 BALANCE_GAIN)
             probe, count_benched = self.pace.probes(step, out)
-            given = tf.logical_or(members > 0.5, probe)
+            given = tf.logical_or(members, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
                 slices_lib.weights(speed, roster, self.slices), batch,
                 unit), cut)
@@ -152,25 +152,25 @@ class Averaging:
         s = self.shared
         with tf.device(self.device):
             with tf.control_dependencies([step, round_]):
-                planned = tf.reduce_sum(s.planned.read_value())
+                planned = state_lib.count(s.planned.read_value())
                 # Admissions are kept on the ps: an admission cancelled
                 # halfway (a session closed) goes on where it was.
-                admitted = tf.reduce_sum(s.admitted.read_value())
-            needed = tf.maximum(planned - self.backup_workers, 1.0)
+                admitted = state_lib.count(s.admitted.read_value())
+            needed = tf.maximum(planned - self.backup_workers, 1)
 
             def open_(count, aborted):
                 return tf.logical_and(count < needed, tf.logical_not(aborted))
 
             def take_one(count, aborted):
                 fresh, lost_member = self._take_event(step, round_)
-                return (count + tf.cast(fresh, tf.float32),
+                return (count + tf.cast(fresh, tf.int32),
                         tf.logical_or(aborted, lost_member))
 
             count, aborted = tf.while_loop(
                 open_, take_one, [admitted, tf.constant(False)],
                 parallel_iterations=1)
             with tf.control_dependencies([count, aborted]):
-                rows = tf.where(s.admitted.read_value() > 0.5)[:, 0]
+                rows = tf.where(s.admitted.read_value())[:, 0]
             return Verdict(tf.logical_not(aborted), rows)
 
     def _take_event(self, step, round_) -> tuple:
@@ -181,9 +181,10 @@ class Averaging:
         # Every read first, every write after them (a read racing a write
         # of the same event would see either value).
         roster = s.roster.read_value()
-        inside = roster[worker] > 0.5
-        unfinished = tf.logical_and(s.planned.read_value()[worker] > 0.5,
-                                    s.admitted.read_value()[worker] < 0.5)
+        inside = roster[worker]
+        planned = s.planned.read_value()[worker]
+        admitted = s.admitted.read_value()[worker]
+        unfinished = tf.logical_and(planned, tf.logical_not(admitted))
         # A worker (re)joining is measured afresh.
         fresh_start = tf.equal(kind, JOINED)
         timed, examples_now, secs_now = self.pace.timing(
@@ -195,7 +196,7 @@ class Averaging:
             tf.equal(for_step, step), tf.equal(for_round, round_)),
             unfinished))
         probed = tf.logical_and(timed, tf.logical_and(
-            inside, s.planned.read_value()[worker] < 0.5))
+            inside, tf.logical_not(planned)))
         # A push from outside the roster is a worker we gave up on that is
         # alive after all: it joins again.
         joins = tf.logical_and(tf.logical_or(tf.equal(kind, JOINED), pushed),
@@ -206,10 +207,10 @@ class Averaging:
         # A member joining again was restarted: its old self will never
         # push for this round.
         restarted = tf.logical_and(tf.equal(kind, JOINED), inside)
-        roster_now = tf.where(joins, 1.0, tf.where(leaves, 0.0,
-                                                   roster[worker]))
-        members = tf.cast(tf.reduce_sum(roster) - roster[worker]
-                          + roster_now, tf.int32)
+        roster_now = tf.logical_or(joins, tf.logical_and(
+            inside, tf.logical_not(leaves)))
+        members = (state_lib.count(roster) - tf.cast(inside, tf.int32)
+                   + tf.cast(roster_now, tf.int32))
         changed = tf.logical_or(joins, leaves)
         one = worker[None]
         with tf.control_dependencies([roster_now, members, examples_now,
@@ -217,7 +218,7 @@ class Averaging:
             ops = [bench_late, *self.pace.record(
                 worker, for_round, timed, fresh_start, examples_now,
                 secs_now),
-                _scatter_max(s.admitted, one, tf.cast(fresh, tf.float32)),
+                _set(s.admitted, one, tf.logical_or(admitted, fresh)),
                 _set(s.roster, one, roster_now),
                 _set(s.last_push, one, tf.where(
                     pushed, for_round, s.last_push.read_value()[worker])),
@@ -244,7 +245,7 @@ class Averaging:
 
     def absorb_queued(self) -> tf.Tensor:
         """Acts on the events queued now, without waiting (joins before the
-        first step). Returns the roster after them (float32 [N])."""
+        first step). Returns the roster after them (bool [N])."""
         s = self.shared
         with tf.device(self.device):
             step, round_ = s.global_step.read_value(), s.round.read_value()
@@ -283,7 +284,7 @@ class Averaging:
         s = self.shared
         with tf.device(self.device), tf.control_dependencies(after):
             # An admitted worker's stats row is this round's (its push).
-            admitted = s.admitted.read_value() > 0.5
+            admitted = s.admitted.read_value()
             examples = tf.where(admitted, s.stats.read_value()[:, 0], 0.0)
             counted = s.contributions.assign_add(
                 tf.stack([tf.cast(admitted, tf.int64),
@@ -322,11 +323,6 @@ def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:
     return variable.assign(tf.where(where, tf.cast(value, old.dtype) +
                                     tf.zeros_like(old), old),
                            read_value=False)
-
-
-def _scatter_max(variable, index, value) -> tf.Operation:
-    return tf.raw_ops.ResourceScatterMax(resource=variable.handle,
-                                         indices=index, updates=value[None])
 
 
 def _put_if(queue, when: tf.Tensor, record: tuple) -> tf.Operation:

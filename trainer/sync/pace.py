@@ -11,7 +11,7 @@ ps 0's clock (the event's time is stamped as it arrives there).
 import tensorflow as tf
 
 from trainer.sync import slices as slices_lib
-from trainer.sync.state import LATE, PUSHED, set_at
+from trainer.sync.state import LATE, PUSHED, count as count_of, set_at
 
 # How much of a worker's measured speed carries over to the next round.
 SPEED_MEMORY = 0.7
@@ -61,7 +61,7 @@ class Pace:
         s = self.shared
         before = s.benched.read_value()
         newly = tf.logical_and(out, tf.logical_or(
-            s.planned.read_value() > 0.5, tf.equal(before, 0)))
+            s.planned.read_value(), tf.equal(before, 0)))
         times = before + tf.cast(newly, tf.int64)
         with tf.control_dependencies([times]):
             count = s.benched.assign(times, read_value=False)
@@ -77,19 +77,20 @@ class Pace:
         """Asks the chief's deadline thread (trainer/roles/deadlines.py)
         for a LATE event when round `round_` of `step` has run too long:
         (step, round, seconds) onto sync/deadlines, if there is a member
-        to wait for and a slice time to go by."""
+        (members: bool [N]) to wait for and a slice time to go by."""
         s = self.shared
         if not self.deadlines:
             return tf.no_op()
-        secs = tf.where(members > 0.5, s.slice_secs.read_value(), 0.0)
+        secs = tf.where(members, s.slice_secs.read_value(), 0.0)
         # The second slowest member's slice time (the only one's if one).
         typical = tf.math.top_k(secs, min(2, s.num_workers)).values[-1]
         wait = tf.maximum(LATE_FACTOR * typical, MIN_LATE_SECS)
         # No deadline while a member is unmeasured: a worker that just
         # joined warms up in its first slice, which is slow by nature.
-        measured = tf.reduce_all(tf.logical_or(members < 0.5, secs > 0))
-        count = tf.cast(tf.logical_and(measured, tf.reduce_sum(
-            members) > 2.5), tf.int32)
+        measured = tf.reduce_all(tf.logical_or(tf.logical_not(members),
+                                               secs > 0))
+        count = tf.cast(tf.logical_and(measured, count_of(members) > 2),
+                        tf.int32)
         return s.deadlines.enqueue_many([
             tf.fill([count], tf.cast(step, tf.int64)),
             tf.fill([count], tf.cast(round_, tf.int64)),
@@ -109,17 +110,16 @@ class Pace:
         the same members would redo the step."""
         s = self.shared
         planned, admitted = s.planned.read_value(), s.admitted.read_value()
-        late = tf.logical_and(tf.logical_and(planned > 0.5, admitted < 0.5),
-                              tf.range(s.num_workers) > 0)
-        n_late = tf.reduce_sum(tf.cast(late, tf.int32))
-        n_pushed = tf.reduce_sum(tf.cast(tf.logical_and(
-            planned > 0.5, tf.logical_not(late)), tf.int32))
+        late = tf.logical_and(tf.logical_and(planned, tf.logical_not(
+            admitted)), tf.range(s.num_workers) > 0)
+        n_late = count_of(late)
+        n_pushed = count_of(tf.logical_and(planned, tf.logical_not(late)))
         abandon = tf.logical_and(
             tf.logical_and(tf.equal(kind, LATE), tf.logical_and(
                 tf.equal(for_step, step), tf.equal(for_round, round_))),
             tf.logical_and(tf.equal(n_late, 1), n_pushed >= 2))
         punctual = tf.reduce_max(tf.where(
-            tf.logical_and(planned > 0.5, tf.logical_not(late)),
+            tf.logical_and(planned, tf.logical_not(late)),
             s.slice_secs.read_value(), 0.0))
         late = tf.logical_and(late, abandon)
         which = tf.cast(tf.where(late)[:, 0], tf.int32)

@@ -101,7 +101,7 @@ class PullTurns:
         return passes
 
     def cover_absent(self, step: tf.Tensor, members: tf.Tensor) -> list:
-        """Ops giving each member (members: float32 [N], 1 = in the round)
+        """Ops giving each member (members: bool [N], who is in the round)
         whose predecessor in a shard's order is out its turn for `step`:
         an enqueue of 0 or 1 turns each, so no cond per worker."""
         ops = []
@@ -109,8 +109,8 @@ class PullTurns:
             if k == self._first(s):
                 continue
             before = (k - 1) % self.num_workers
-            count = tf.cast(tf.logical_and(members[k] > 0.5,
-                                           members[before] < 0.5), tf.int32)
+            count = tf.cast(tf.logical_and(
+                members[k], tf.logical_not(members[before])), tf.int32)
             with tf.device(self.devices[s]):
                 ops.append(queue.enqueue_many(tf.fill([count], step)))
         return ops

@@ -22,12 +22,13 @@ MODES = (BALANCED, EQUAL)
 
 
 def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
-    """Each member's share weight (float32 [N]; 0 for non-members).
+    """Each member's share weight (float32 [N]; 0 for non-members;
+    speed: float32 [N]; members: bool [N]).
 
     A member not measured yet (speed 0) counts as the mean measured speed,
     or 1 when nobody is measured.
     """
-    inside = members > 0.5
+    inside = members
     if mode == EQUAL:
         return tf.where(inside, tf.ones_like(speed), tf.zeros_like(speed))
     measured = tf.logical_and(inside, speed > 0)
@@ -43,14 +44,14 @@ def benched(slice_secs: tf.Tensor, roster: tf.Tensor,
             factor: float) -> tf.Tensor:
     """bool [N]: members other than the chief whose recent slices took
     over `factor` times as long as every other member's (slice_secs:
-    float32 [N], 0 until measured; roster: float32 [N], 1 = in).
+    float32 [N], 0 until measured; roster: bool [N], who is in).
 
     Balanced slices equalize the members' times, so a member still far
     behind is bound by its fixed cost per slice (pulling, pushing, a
     starved host), not by its share: giving it fewer examples cannot
     help, and leaving it out of the round can.
     """
-    secs = tf.where(roster > 0.5, slice_secs, 0.0)
+    secs = tf.where(roster, slice_secs, 0.0)
     top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])

@@ -53,6 +53,11 @@ def set_at(variable, index, value) -> tf.Operation:
         resource=variable.handle, indices=index, updates=value[None])
 
 
+def count(flags: tf.Tensor) -> tf.Tensor:
+    """How many of `flags` (bool [N]) are set: int32 []."""
+    return tf.reduce_sum(tf.cast(flags, tf.int32))
+
+
 def transient_variables() -> list:
     return tf.compat.v1.get_collection(TRANSIENT)
 
@@ -77,17 +82,17 @@ class SharedState:
                                            transient=False)
             self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
                                        zeros, transient=False)
-            # Who is in (1.0) and out (0.0); the chief is always in.
+            # Who is in (bool [N]); the chief is always in.
             self.roster = ps_variable(
-                "sync/roster", n, tf.float32, tf.compat.v1.constant_initializer(
-                    [1.0] + [0.0] * (num_workers - 1)), transient=True)
+                "sync/roster", n, tf.bool, tf.compat.v1.constant_initializer(
+                    [True] + [False] * (num_workers - 1)), transient=True)
             # The current round: its number, who was planned into it, who
-            # has pushed for it, each planned slice.
+            # has pushed for it (bool [N] each), each planned slice.
             self.round = ps_variable("sync/round", [], tf.int64, zeros, True)
-            self.planned = ps_variable("sync/planned", n, tf.float32, zeros,
+            self.planned = ps_variable("sync/planned", n, tf.bool, zeros,
                                        True)
-            self.admitted = ps_variable("sync/admitted", n, tf.float32,
-                                        zeros, True)
+            self.admitted = ps_variable("sync/admitted", n, tf.bool, zeros,
+                                        True)
             self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
                                       True)  # [first, end) per worker
             self._timing_variables(n, zeros)
