@@ -147,7 +147,7 @@ def test_the_handshake_names_the_worker_setting_that_differs():
             was = getattr(base, name)
             now = (not was if isinstance(was, bool) else was + 1
                    if isinstance(was, int) else
-                   {"cnn": "mlp", "float32": "bfloat16", None: 8}[was])
+                   {"cnn": "mlp", "float32": "bfloat16"}[was])
             ours = graph.fingerprint(
                 dataclasses.replace(base, **{name: now}), task, 100)
         assert worker._first_difference(chiefs, ours) == (  # noqa: SLF001

@@ -84,14 +84,13 @@ flags.DEFINE_enum("wire_dtype", "float32", list(WIRE_DTYPES),
                   "workers and ps tasks; the ps keeps, sums and applies in "
                   "float32. bfloat16 halves the bytes (float16 may overflow "
                   "on gradient sums).")
-flags.DEFINE_integer("micro_batch", None,
+flags.DEFINE_integer("micro_batch", 0,
                      "Compute the global batch in micro-batches of N rows, "
                      "each with the same ops and shapes whoever computes it; "
                      "slices are whole micro-batches. An example's gradient "
                      "then has the same bits whatever slice holds it "
-                     "(docs/how-it-works.md#micro-batches). Default: the "
-                     "largest divisor of --batch_size up to 16 that leaves "
-                     "every worker one; 0: each slice in one piece.")
+                     "(docs/how-it-works.md#micro-batches). 0: each slice "
+                     "in one piece.")
 flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "

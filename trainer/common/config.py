@@ -11,9 +11,6 @@ LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/learning/optim.
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
 SLICES = ("balanced", "equal")            # trainer/sync/slices.py
 DEFAULT_EPOCHS = 12
-# --micro_batch's default, at most: the cnn ran faster in micro-batches of
-# 16 than in one piece, the mlp slower (docs/how-it-works.md#micro-batches).
-AUTO_MICRO_BATCH = 16
 
 # The settings that must match, declared once, on TrainConfig's fields:
 # WORKERS: every worker must have the chief's (the handshake compares them,
@@ -68,8 +65,8 @@ class TrainConfig:
     wire_dtype: str = _shared("float32", WORKERS, CHECKPOINT)
     # workers read parameters in turn
     ordered_pulls: bool = _shared(False, WORKERS)
-    # rows computed together, slices in whole ones; None: auto; 0: off
-    micro_batch: int | None = _shared(None, WORKERS)
+    # rows computed together, slices in whole ones (0: each slice at once)
+    micro_batch: int = _shared(0, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
 
@@ -82,15 +79,6 @@ class TrainConfig:
             return None
         first, end = (int(v) for v in self.trace_steps.split(":"))
         return first, end
-
-    def resolved_micro_batch(self, num_workers: int) -> int:
-        """--micro_batch, or by default the largest divisor of
-        --batch_size up to AUTO_MICRO_BATCH that leaves each of
-        `num_workers` workers a micro-batch (0: slices in one piece)."""
-        if self.micro_batch is not None:
-            return self.micro_batch
-        most = max(1, min(AUTO_MICRO_BATCH, self.batch_size // num_workers))
-        return max(m for m in range(1, most + 1) if self.batch_size % m == 0)
 
     def resolved_train_steps(self, num_examples: int) -> int:
         """--train_steps, or --epochs (default 12) of full global batches.
@@ -152,7 +140,7 @@ def _check_trace_steps(text: str | None) -> None:
 
 def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
     m = config.micro_batch
-    if not m:  # None: chosen to fit (resolved_micro_batch); 0: off
+    if m == 0:
         return
     _positive("micro_batch", m)
     if config.batch_size % m:

@@ -121,12 +121,10 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
     With --micro_batch=m the slice (whole micro-batches) is computed m rows
     at a time, in order. A matmul's rows differ in their last bits with the
     number of rows it is given (the kernel blocks its sums by the shape),
-    and a ReLU whose input is within those bits of 0 passes or stops a
-    whole example's gradient: so only shapes fixed by the global batch,
-    not by the slicing, give an example the same gradient whoever
-    computes it.
+    so only shapes fixed by the global batch, not by the slicing, give an
+    example the same forward and backward pass whoever computes it.
     """
-    m = config.resolved_micro_batch(1)
+    m = config.micro_batch
     if not m:
         return _rows_gradients(config, layout, trainset, step, bounds,
                                shard_values)

@@ -5,7 +5,6 @@
 `trainer.main` only parses flags and calls it.
 """
 
-import dataclasses
 import socket
 import threading
 
@@ -27,9 +26,6 @@ from trainer.roles.worker import Worker
 def run(config: TrainConfig, task: Task) -> None:
     """Runs this task to the end of training; raises UserError/RunFailed."""
     validate(config, task.cluster.num_workers)
-    # Every task resolves the default alike, from the declared workers.
-    config = dataclasses.replace(config, micro_batch=config.resolved_micro_batch(
-        task.cluster.num_workers))
     check_port_free(task)
     if task.job_name == "ps":
         ps.serve(config, task, start_server(config, task))
