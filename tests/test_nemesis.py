@@ -1,6 +1,7 @@
 """The nemesis: its schedules, its checker, and three short schedules that
 cover every fault kind on simulated hosts (trainer/nemesis.py)."""
 
+import datetime
 import json
 import pathlib
 import subprocess
@@ -21,7 +22,7 @@ def test_a_schedule_is_replayed_from_its_seed():
     assert first != schedule.draw(8, 4, 600, 8)
     for fault in first:
         assert fault.task in ("worker1", "worker2", "worker3")
-        assert 10 <= fault.at_step < 0.7 * 600
+        assert 10 <= fault.at_step < 0.5 * 600
         low, high = schedule.DURATION[fault.kind]
         assert fault.secs is None or low <= fault.secs <= high
     assert [f.at_step for f in first] == sorted(f.at_step for f in first)
@@ -96,18 +97,29 @@ def test_the_checker_judges_exit_statuses():
 
 
 def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
-    # worker1's link came back at t=100; steps 0..99 took 1 s each.
-    steps_seen = [(float(t), t) for t in range(200)]
-    history = [(0.0, 0, "worker1", "start"), (50.0, 50, "worker1", "cut"),
-               (100.0, 100, "worker1", "end cut")]
+    # worker1 asked to be taken in at t0 + 1, its link was cut at t0 + 50
+    # and came back at t0 + 100; steps 0..199 took 1 s each.
+    t0 = datetime.datetime.now().replace(microsecond=0).timestamp()
+    asked = datetime.datetime.fromtimestamp(t0 + 1).strftime(
+        "I%m%d %H:%M:%S.000000 1 worker.py:80]")
+    (tmp_path / "worker1.0.log").write_text(
+        f"{asked} worker 1 asked the chief to take it in\n")
+    steps_seen = [(t0 + t, t) for t in range(200)]
+    history = [(t0, 0, "worker1", "start"), (t0 + 50, 50, "worker1", "cut"),
+               (t0 + 100, 100, "worker1", "end cut")]
     outcome = run_lib.Outcome(tmp_path, tmp_path, {}, history, steps_seen,
-                              ended_at=199.0, faults_in_effect={},
+                              ended_at=t0 + 199, faults_in_effect={},
                               hung=False)
     record = np.zeros([200, 3], np.int32)
     record[:, 1] = 8
     problems = checker.rejoined(outcome, record, 10.0)
     assert len(problems) == 1 and "worker1 back at step 100" in problems[0]
     record[115, 2] = 1   # in an average 15 s after its return
+    assert checker.rejoined(outcome, record, 10.0) == []
+    # A process killed before the cut ended was not back from it.
+    killed = history[:2] + [(t0 + 60, 60, "worker1", "kill")] + history[2:]
+    outcome.history = killed
+    record[115, 2] = 0
     assert checker.rejoined(outcome, record, 10.0) == []
 
 

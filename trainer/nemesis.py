@@ -51,6 +51,9 @@ flags.DEFINE_list("kinds", None, "Fault kinds to draw from (default: all "
                   "the hosts allow).")
 flags.DEFINE_float("cpu", 0.3, "Each simulated host's CPU budget (cores; "
                    "0: no limit).")
+flags.DEFINE_float("training_cpu", 0.1, "Each host's budget once the first "
+                   "step is done (0: --cpu throughout): slower steps give "
+                   "the faults time in a run short enough for the yardstick.")
 flags.DEFINE_string("link_rate", "1gbit", "Each simulated host's link.")
 flags.DEFINE_float("worker_timeout_secs", 10.0, "The runs' "
                    "--worker_timeout_secs.")
@@ -76,8 +79,9 @@ def train_flags() -> list[str]:
 
 def replay_command(seed: int) -> str:
     """The command that runs schedule `seed` alone."""
-    names = ("schedule", "faults", "max_fault_secs", "covering", "workers", "model", "train_steps",
-             "hosts", "kinds", "cpu", "link_rate", "worker_timeout_secs",
+    names = ("schedule", "faults", "max_fault_secs", "covering",
+             "workers", "model", "train_steps", "hosts", "kinds", "cpu",
+             "training_cpu", "link_rate", "worker_timeout_secs",
              "yardstick", "train_flags", "data_dir")
     args = [f"--{n}={','.join(v) if isinstance(v, list) else v}"
             for n in names if (v := FLAGS[n].value) is not None]
@@ -96,7 +100,8 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     problems = (param_problems
                 + checker.steps(outcome.logdir, logs, FLAGS.train_steps)
                 + checker.statuses(outcome.codes, faults,
-                                   outcome.faults_in_effect)
+                                   outcome.faults_in_effect,
+                                   outcome.started_after_end)
                 + checker.rejoined(outcome, record,
                                    FLAGS.worker_timeout_secs))
     if outcome.hung:
@@ -150,12 +155,14 @@ def main(argv) -> int:
     out = pathlib.Path(FLAGS.out or "nemesis/" + datetime.datetime.now()
                        .strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
-    setup = run_lib.Setup(FLAGS.workers, train_flags(), FLAGS.run_secs,
-                          FLAGS.worker_timeout_secs,
-                          FLAGS.cpu if FLAGS.hosts == "simulated" and
-                          FLAGS.cpu > 0 else None,
-                          FLAGS.link_rate if FLAGS.hosts == "simulated"
-                          else None)
+    simulated = FLAGS.hosts == "simulated"
+    setup = run_lib.Setup(
+        FLAGS.workers, train_flags(), FLAGS.run_secs,
+        FLAGS.worker_timeout_secs,
+        cpu=FLAGS.cpu if simulated and FLAGS.cpu > 0 else None,
+        link_rate=FLAGS.link_rate if simulated else None,
+        training_cpu=(FLAGS.training_cpu if simulated
+                      and FLAGS.training_cpu > 0 else None))
     rows = runner.run_all(setup, kinds, out, FLAGS, judge, out_when,
                           replay_command)
     (out / "nemesis.json").write_text(json.dumps(rows, indent=2))

@@ -97,12 +97,16 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     return problems
 
 
-def statuses(codes: dict, faults: list, in_effect: dict) -> list:
-    """Every task ended; 0 unless its last fault left it down."""
+def statuses(codes: dict, faults: list, in_effect: dict,
+             started_after_end=()) -> list:
+    """Every task ended; 0 unless its last fault left it down, or it was
+    (re)started too late to join and stopped by the nemesis."""
     problems = []
     for task, code in codes.items():
         if code is None:
             problems.append(f"{task} did not end")
+            continue
+        if task in started_after_end:
             continue
         last = [f for f in faults if f.task == task]
         gone = last and last[-1].kind in (schedule_lib.KILL,
@@ -139,19 +143,24 @@ def rejoined(outcome, record: np.ndarray | None,
 
 
 def returns(outcome) -> list[tuple[float, str, str]]:
-    """(wall time, task, what) of each worker's return."""
-    found, starts = [], {}
+    """(wall time, task, what) of each worker's return: a restarted
+    process asking to be taken in, or the end of a fault on a process
+    that had asked by then (one still starting up, or dead, is not back
+    from anything)."""
+    found, starts, asked = [], {}, {}
     for when, _, task, what in outcome.history:
-        if task in ("ps0", "worker0"):
+        if task in ("ps0", "worker0", "all"):
             continue
         if what == "start":
             starts[task] = starts.get(task, -1) + 1
-            if starts[task] == 0:
-                continue
-            asked = _asked_at(outcome.folder / f"{task}.{starts[task]}.log")
-            if asked is not None:
-                found.append((asked, task, "restarted"))
-        elif what.startswith("end "):
+            asked[task] = _asked_at(
+                outcome.folder / f"{task}.{starts[task]}.log")
+            if starts[task] > 0 and asked[task] is not None:
+                found.append((asked[task], task, "restarted"))
+        elif what in ("kill", "term"):
+            asked[task] = None
+        elif what.startswith("end ") and asked.get(task) is not None \
+                and asked[task] <= when:
             found.append((when, task, what))
     return found
 

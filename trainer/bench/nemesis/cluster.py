@@ -22,6 +22,7 @@ from trainer.observe import progress_line
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 PORT = 2222
+JOINED = "joined at global step"   # a worker's log, once it is taken in
 
 
 class Cluster:
@@ -147,6 +148,25 @@ class Cluster:
         elif kind == schedule_lib.STARVE:
             self.hosts[name].set_cpu(self.cpu)
         self.note(name, f"end {kind}")
+
+    def pace(self, cores: float) -> None:
+        """Every host's CPU budget becomes `cores` (and what undoing a
+        starved CPU restores)."""
+        self.cpu = cores
+        for name in self.names:
+            if self.running(name) or name in self.hosts:
+                self.hosts[name].set_cpu(cores)
+        self.note("all", f"cpu {cores:g}")
+
+    def stop_unjoined(self) -> list[str]:
+        """SIGTERM to each worker whose latest start has not joined (the
+        run ended first); returns their names."""
+        late = [name for name in self.names[2:] if self.running(name)
+                and JOINED not in self.log(name)]
+        for name in late:
+            self.processes[name].send_signal(signal.SIGTERM)
+            self.note(name, "started after the end: stopped")
+        return late
 
     def heal(self) -> None:
         """Undoes every host fault and continues every stopped task."""

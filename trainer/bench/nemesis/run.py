@@ -31,6 +31,9 @@ class Setup:
     run_secs: float          # bound on one schedule's run
     worker_timeout_secs: float
     cpu: float | None = None       # each simulated host's cores
+    # Each host's cores once training runs (slower steps: more time per
+    # step for faults in a run short enough for a tight yardstick).
+    training_cpu: float | None = None
     link_rate: str | None = None   # each simulated host's link
 
 
@@ -46,6 +49,9 @@ class Outcome:
     ended_at: float        # wall-clock time the chief exited
     faults_in_effect: dict  # task -> fault kinds still on at the chief's end
     hung: bool             # the run outlived setup.run_secs
+    # Workers (re)started too late to join before the run ended, stopped
+    # by the nemesis: their ps had gone, so they would wait for it.
+    started_after_end: list = dataclasses.field(default_factory=list)
 
 
 def run_schedule(setup: Setup, faults: list, folder: pathlib.Path, sim=None,
@@ -74,6 +80,8 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
         if now - start > setup.run_secs:
             break
         step = cluster.read_step()
+        if step and setup.training_cpu and cluster.cpu != setup.training_cpu:
+            cluster.pace(setup.training_cpu)
         if not steps_seen or steps_seen[-1][1] != step:
             steps_seen.append((time.time(), step))
         while pending and pending[0].at_step <= step:
@@ -95,11 +103,12 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
     # Undo what is left, so that every task can learn that the run ended.
     if cluster.sim is not None:
         cluster.heal()
+    late = cluster.stop_unjoined() if not hung else []
     codes = cluster.wait_all(timeout=max(
         30.0, 3 * setup.worker_timeout_secs + 20.0))
     return Outcome(cluster.folder, cluster.logdir, codes, cluster.history,
                    steps_seen, ended, in_effect, hung or any(
-                       c is None for c in codes.values()))
+                       c is None for c in codes.values()), late)
 
 
 def reference_logdir(setup: Setup, cache: pathlib.Path,

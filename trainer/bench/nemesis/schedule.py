@@ -69,8 +69,8 @@ def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
 
 def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
          max_secs: float | None) -> Fault:
-    """A fault of `kind` at a step in the first 70% of the run (so that a
-    worker that comes back has steps left to rejoin in)."""
+    """A fault of `kind` at a step in the first half of the run (so that
+    a worker that comes back has steps left to rejoin in)."""
     if workers < 2:
         raise ValueError("a fault schedule needs a worker besides the chief")
     low, high = DURATION[kind]
@@ -80,7 +80,7 @@ def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
     secs = round(rng.uniform(low, high), 1)
     if kind in (KILL, TERM) and rng.random() < NEVER_BACK:
         secs = None
-    last = max(11, int(0.7 * train_steps))
+    last = max(11, int(0.5 * train_steps))
     return Fault(kind, f"worker{rng.randrange(1, workers)}",
                  rng.randrange(10, last), secs)
 
