@@ -140,9 +140,9 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
     out = tmp_path / "nemesis"
     result = subprocess.run(
         [sys.executable, "-m", "trainer.nemesis", "--covering",
-         "--schedules=3", "--seed=1", "--workers=4", "--train_steps=1500",
-         "--max_fault_secs=25", f"--data_dir={data}", f"--out={out}"],
-        capture_output=True, text=True, timeout=420, cwd=helpers.REPO,
+         "--schedules=3", "--seed=1", "--workers=4", "--train_steps=300",
+         "--max_fault_secs=15", f"--data_dir={data}", f"--out={out}"],
+        capture_output=True, text=True, timeout=720, cwd=helpers.REPO,
         env=helpers.python_env())
     print(result.stdout[-3000:])
     rows = json.loads((out / "nemesis.json").read_text())
