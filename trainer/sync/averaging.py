@@ -1,30 +1,22 @@
 """The sync rule: who computes what in a step, what is averaged, when the
 step is applied. Change the rule here.
 
-The invariants it keeps (docs/how-it-works.md; each with what checks it):
+The invariants it keeps (what checks each: docs/how-it-works.md):
 
 I1. The update applied at step t is the mean, over exactly the global
     batch of step t (each example once), of per-example gradients at the
-    parameters after step t - 1. [record_step: per step, whether the
-    admitted slices cover the batch once, logged by the chief and judged
-    by the nemesis; the nemesis and tests/test_elastic.py compare the
-    parameters with the 1-worker run]
+    parameters after step t - 1 (record_step records the first half).
 I2. A push for (step, round) is admitted only in that round of that
-    step, at most once. [_take_event's `fresh`; tests/test_sync.py
-    test_pushes_for_another_step_or_round_are_dropped_and_counted]
+    step, at most once (_take_event's `fresh`).
 I3. The global step never goes back: only count_and_advance sets it, to
-    t + 1 after step t's update. [the nemesis checker, over the chief's
-    progress lines]
+    t + 1 after step t's update.
 I4. A worker out of the round (not in the roster, or benched) is given no
-    slice; a probe's push is timed, never admitted. [tests/test_sync.py
-    test_a_benched_worker_sits_out_rounds_between_probes, test_slices.py]
+    slice; a probe's push is timed, never admitted.
 I5. A member reads the parameters for step t only after step t - 1 is
-    applied: its token is handed out by the plan, which runs after
-    count_and_advance. [I1's checks]
-I6. A worker that is alive and reachable is taken back in: a push from
-    outside the roster, or a JOINED, puts it in the next plan; a worker
-    cut off for longer than --worker_timeout_secs joins again once ps 0
-    answers (trainer/roles/lifecycle.py). [the nemesis's rejoin check]
+    applied: its token comes from the plan, which runs after the update.
+I6. A worker alive and reachable is taken back in: a push from outside
+    the roster, or a JOINED, puts it in the next plan; one cut off for
+    longer than --worker_timeout_secs joins again once ps 0 answers.
 
 For global step t the chief runs rounds until one completes:
 
