@@ -101,7 +101,7 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
                 + checker.steps(outcome.logdir, logs, FLAGS.train_steps)
                 + checker.statuses(outcome.codes, faults,
                                    outcome.faults_in_effect,
-                                   outcome.started_after_end)
+                                   outcome.stopped_late)
                 + checker.rejoined(outcome, record,
                                    FLAGS.worker_timeout_secs))
     if outcome.hung:

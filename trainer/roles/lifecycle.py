@@ -96,16 +96,23 @@ class WorkerRole(abc.ABC):
         with self.g.graph.as_default():
             while True:
                 try:
-                    self._connect()
-                    self.run_connected()
-                    return
-                except RunFailed as e:
-                    if self.at_step is None:
+                    try:
+                        self._connect()
+                        self.run_connected()
+                        return
+                    except RunFailed:
                         raise
-                    raise RunFailed(f"{e}; this worker was at step "
-                                    f"{self.at_step}") from None
-                except Exception as e:  # noqa: BLE001 (re-raised below)
-                    self._check_reconnectable(e)
+                    except Exception as e:  # noqa: BLE001 (re-raised below)
+                        self._check_reconnectable(e)
+                except RunFailed as e:
+                    raise RunFailed(self.with_step(str(e))) from None
+
+    def with_step(self, reason: str) -> str:
+        """`reason`, naming the step this worker was at (not the chief's)."""
+        suffix = f"; this worker was at step {self.at_step}"
+        if self.at_step is None or suffix in reason:
+            return reason
+        return reason + suffix
 
     def _connect(self) -> None:
         wait_for_ps(self.task, self.config.startup_timeout_secs)
@@ -220,6 +227,7 @@ class WorkerRole(abc.ABC):
     def give_up(self, reason: str) -> None:
         """From the watchdog: end the blocked session.run with a reason."""
         logging.info("the watchdog ends the blocked training run")
+        reason = self.with_step(reason)
         with self._lock:
             self._stop_reason = reason
         # Closing the session normally cancels the run the training thread

@@ -98,7 +98,7 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
 
 
 def statuses(codes: dict, faults: list, in_effect: dict,
-             started_after_end=()) -> list:
+             stopped_late=()) -> list:
     """Every task ended; 0 unless its last fault left it down, or it was
     (re)started too late to join and stopped by the nemesis."""
     problems = []
@@ -106,7 +106,7 @@ def statuses(codes: dict, faults: list, in_effect: dict,
         if code is None:
             problems.append(f"{task} did not end")
             continue
-        if task in started_after_end:
+        if task in stopped_late:
             continue
         last = [f for f in faults if f.task == task]
         gone = last and last[-1].kind in (schedule_lib.KILL,

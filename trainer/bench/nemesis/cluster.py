@@ -168,6 +168,24 @@ class Cluster:
             self.note(name, "started after the end: stopped")
         return late
 
+    def stop_returned(self, after: float, in_effect: dict,
+                      grace: float) -> list[str]:
+        """SIGTERM, after `grace` seconds, to each worker still running
+        that was faulted at the end or came back from a fault after wall
+        time `after` (it may have missed the end); returns their names."""
+        late = {task for when, _, task, what in self.history
+                if task in self.names[2:] and when > after
+                and what.startswith("end ")} | set(in_effect)
+        deadline = time.monotonic() + grace
+        while any(self.running(n) for n in late) and \
+                time.monotonic() < deadline:
+            time.sleep(0.5)
+        stopped = [n for n in sorted(late) if self.running(n)]
+        for name in stopped:
+            self.processes[name].send_signal(signal.SIGTERM)
+            self.note(name, "back too late to learn the end: stopped")
+        return stopped
+
     def heal(self) -> None:
         """Undoes every host fault and continues every stopped task."""
         for name in self.names:

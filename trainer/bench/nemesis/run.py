@@ -20,6 +20,10 @@ from trainer.bench.nemesis import schedule as schedule_lib
 from trainer.common import processes
 
 POLL_SECS = 0.1
+# A worker back from a fault less than --worker_timeout_secs + this before
+# the run ended (or still faulted then) may have missed the end; it gets
+# this long to end by itself, then is stopped and not judged by status.
+LATE_RETURN_SLACK_SECS = 10.0
 
 
 @dataclasses.dataclass
@@ -49,9 +53,10 @@ class Outcome:
     ended_at: float        # wall-clock time the chief exited
     faults_in_effect: dict  # task -> fault kinds still on at the chief's end
     hung: bool             # the run outlived setup.run_secs
-    # Workers (re)started too late to join before the run ended, stopped
-    # by the nemesis: their ps had gone, so they would wait for it.
-    started_after_end: list = dataclasses.field(default_factory=list)
+    # Workers (re)started too late to join, or back from a fault too late
+    # to learn that the run ended, stopped by the nemesis: their ps had
+    # gone, so they would wait for it (--startup_timeout_secs).
+    stopped_late: list = dataclasses.field(default_factory=list)
 
 
 def run_schedule(setup: Setup, faults: list, folder: pathlib.Path, sim=None,
@@ -103,7 +108,9 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
     # Undo what is left, so that every task can learn that the run ended.
     if cluster.sim is not None:
         cluster.heal()
-    late = cluster.stop_unjoined() if not hung else []
+    late = [] if hung else cluster.stop_unjoined() + cluster.stop_returned(
+        after=ended - setup.worker_timeout_secs - LATE_RETURN_SLACK_SECS,
+        in_effect=in_effect, grace=LATE_RETURN_SLACK_SECS)
     codes = cluster.wait_all(timeout=max(
         30.0, 3 * setup.worker_timeout_secs + 20.0))
     return Outcome(cluster.folder, cluster.logdir, codes, cluster.history,
