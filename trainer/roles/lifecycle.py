@@ -154,13 +154,23 @@ class WorkerRole(abc.ABC):
         logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
     def close_session(self) -> None:
+        """Closes the session, waiting at most CLOSE_DEADLINE_SECS: with a
+        peer cut off or gone, the close can block as long as TCP or gRPC
+        retries it, and nothing else would end it (the watchdog stops with
+        the run). Past the deadline the close goes on, or not, on a daemon
+        thread, and this worker goes on without that session."""
         with self._lock:
             session, self.session = self.session, None
-        if session is not None:
-            try:
-                session.close()
-            except Exception:  # the ps may be gone already
-                pass
+        if session is None:
+            return
+        closing = threading.Thread(target=_close_quietly, args=(session,),
+                                   daemon=True, name="session-close")
+        closing.start()
+        closing.join(CLOSE_DEADLINE_SECS)
+        if closing.is_alive():
+            logging.warning("the old session did not close within %.0f s "
+                            "(a peer cut off or gone); going on without it",
+                            CLOSE_DEADLINE_SECS)
 
     def callable(self, fetches: dict, feeds=()):
         return make_callable(self.session, fetches, feeds)
@@ -245,6 +255,13 @@ class WorkerRole(abc.ABC):
                       "exiting", reason, CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
+
+
+def _close_quietly(session) -> None:
+    try:
+        session.close()
+    except Exception:  # noqa: BLE001 (the ps may be gone already)
+        pass
 
 
 def token_of(step: int) -> np.ndarray:
