@@ -157,3 +157,19 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
 def _namespaces() -> list[str]:
     path = pathlib.Path("/run/netns")
     return [p.name for p in path.iterdir()] if path.exists() else []
+
+
+def test_the_table_counts_and_names_the_replay_of_a_failure():
+    from trainer.bench.nemesis import runner
+    row = {"seed": 3, "passed": True, "difference": 2e-6, "steps": 300,
+           "secs": 60.0, "faults": ["kill worker1 @20 (4 s)"],
+           "out_when": "worker1 kill@20 start@40", "problems": [],
+           "replay": "python -m trainer.nemesis --seed=3"}
+    bad = {**row, "seed": 4, "passed": False, "difference": 0.5,
+           "problems": ["worker1 did not end"],
+           "replay": "python -m trainer.nemesis --seed=4"}
+    text = runner.table([row, bad])
+    assert "1 of 2 schedules passed; worst difference 0.5" in text
+    assert "schedule 4 failed: worker1 did not end" in text
+    assert "replay: python -m trainer.nemesis --seed=4" in text
+    assert "--seed=3" not in text

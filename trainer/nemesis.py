@@ -24,6 +24,7 @@ import numpy as np
 from trainer.bench.nemesis import checker
 from trainer.bench.nemesis import run as run_lib
 from trainer.bench.nemesis import runner
+from trainer.bench import report
 from trainer.bench.nemesis import schedule as schedule_lib
 from trainer.common.errors import UserError
 
@@ -166,14 +167,8 @@ def main(argv) -> int:
     rows = runner.run_all(setup, kinds, out, FLAGS, judge, out_when,
                           replay_command)
     (out / "nemesis.json").write_text(json.dumps(rows, indent=2))
-    failed = [r for r in rows if not r["passed"]]
-    print(f"{len(rows) - len(failed)} of {len(rows)} schedules passed; "
-          f"worst difference {max(r['difference'] for r in rows):.3g}; "
-          f"wrote {out / 'nemesis.json'}")
-    for row in failed:
-        print(f"schedule {row['seed']} failed: {row['problems'][0]}\n"
-              f"  replay: {row['replay']}")
-    return 1 if failed else 0
+    report.emit(runner.table(rows) + f"\nwrote {out / 'nemesis.json'}")
+    return 0 if all(r["passed"] for r in rows) else 1
 
 
 def run_main():

@@ -7,10 +7,11 @@ watchdog) runs on a daemon thread: a BackgroundThread, used as a context
 manager around the training runs.
 """
 
+import abc
 import threading
 
 
-class BackgroundThread:
+class BackgroundThread(abc.ABC):
     """A daemon thread that calls `run_once` every `period` seconds until
     it is stopped or `run_once` returns False (a context manager: enter
     starts it, exit stops it and joins it for at most `join_secs`).
@@ -61,6 +62,6 @@ class BackgroundThread:
             if self.run_once() is False:
                 return
 
+    @abc.abstractmethod
     def run_once(self) -> bool | None:
         """One check; False ends the thread."""
-        raise NotImplementedError

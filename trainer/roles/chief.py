@@ -22,10 +22,10 @@ from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
 from trainer.saving import checkpoints
 from trainer.saving import export
+from trainer.sync import averaging
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 RESULTS_FILE = "results.json"
-BY_STEP_FILE = "averaged_by_step.npy"
 EXPORT_DIR = "export"
 
 
@@ -237,11 +237,9 @@ class Chief(WorkerRole):
         [steps, 1 + N], averaging.record_step) to averaged_by_step.npy,
         and logs every step whose average missed an example or held one
         twice (with --backup_workers, by design)."""
-        np.save(logdir / BY_STEP_FILE, by_step)
-        rows = by_step[first:self.train_steps]
-        self.broken_steps = [first + i for i, row in enumerate(rows)
-                             if row[0] != 1 or row[1:].sum() !=
-                             self.config.batch_size]
+        np.save(logdir / averaging.RECORD_FILE, by_step)
+        self.broken_steps = averaging.steps_not_once(
+            by_step, self.config.batch_size, first, self.train_steps)
         if self.broken_steps and not self.config.backup_workers:
             logging.error(
                 "%d steps did not average the global batch exactly once "

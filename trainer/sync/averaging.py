@@ -56,12 +56,16 @@ admitted at most once per round.
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from trainer.sync import pace as pace_lib
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
 from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED, set_at as _set
+
+# The chief's copy of the per-step record (record_step), in --logdir.
+RECORD_FILE = "averaged_by_step.npy"
 
 # Balanced slices are cut only where the speeds predict rounds at least
 # this much shorter than with equal slices (slices.prefer).
@@ -307,6 +311,15 @@ class Averaging:
         return tf.raw_ops.ResourceScatterUpdate(
             resource=s.by_step.handle, indices=index[None],
             updates=row[None])
+
+
+def steps_not_once(record: np.ndarray, batch: int, first: int,
+                   end: int) -> list[int]:
+    """The steps in [first, end) of a record (int32 [steps, 1 + N],
+    record_step's) whose admitted slices did not cover the global batch
+    exactly once, or whose examples do not sum to it."""
+    return [first + i for i, row in enumerate(record[first:end])
+            if row[0] != 1 or row[1:].sum() != batch]
 
 
 def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:

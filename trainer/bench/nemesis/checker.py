@@ -24,9 +24,10 @@ import tensorflow as tf
 
 from trainer.bench.nemesis import schedule as schedule_lib
 from trainer.observe import progress_line
+from trainer.sync import averaging
 
 REJOIN_SLACK_SECS = 10.0
-RECORD_FILE = "averaged_by_step.npy"
+RECORD_FILE = averaging.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
 _ASKED = "asked the chief to take it in"
@@ -82,9 +83,8 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
         results = json.loads(results_path.read_text())
         batch = int(results["flags"]["batch_size"])
         first = int(results["global_step"]) - int(results["steps_this_run"])
-        rows = np.load(path)[first:train_steps]  # int32 [steps, 1 + N]
-        short = [first + i for i, row in enumerate(rows)
-                 if row[0] != 1 or row[1:].sum() != batch]
+        short = averaging.steps_not_once(np.load(path), batch, first,
+                                         train_steps)
         if short:
             problems.append(f"{len(short)} steps did not average the global "
                             f"batch exactly once, first {short[:5]}")

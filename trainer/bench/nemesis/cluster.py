@@ -153,20 +153,17 @@ class Cluster:
         """Every host's CPU budget becomes `cores` (and what undoing a
         starved CPU restores)."""
         self.cpu = cores
-        for name in self.names:
-            if self.running(name) or name in self.hosts:
-                self.hosts[name].set_cpu(cores)
+        for host in self.hosts.values():
+            host.set_cpu(cores)
         self.note("all", f"cpu {cores:g}")
 
     def stop_unjoined(self) -> list[str]:
         """SIGTERM to each worker whose latest start has not joined (the
         run ended first); returns their names."""
-        late = [name for name in self.names[2:] if self.running(name)
-                and JOINED not in self.log(name)]
-        for name in late:
-            self.processes[name].send_signal(signal.SIGTERM)
-            self.note(name, "started after the end: stopped")
-        return late
+        return self._terminate(
+            [name for name in self.names[2:] if self.running(name)
+             and JOINED not in self.log(name)],
+            "started after the end: stopped")
 
     def stop_returned(self, after: float, in_effect: dict,
                       grace: float) -> list[str]:
@@ -180,11 +177,15 @@ class Cluster:
         while any(self.running(n) for n in late) and \
                 time.monotonic() < deadline:
             time.sleep(0.5)
-        stopped = [n for n in sorted(late) if self.running(n)]
-        for name in stopped:
+        return self._terminate([n for n in sorted(late) if self.running(n)],
+                               "back too late to learn the end: stopped")
+
+    def _terminate(self, names: list[str], why: str) -> list[str]:
+        """SIGTERM to each of `names`, noted with `why`; returns names."""
+        for name in names:
             self.processes[name].send_signal(signal.SIGTERM)
-            self.note(name, "back too late to learn the end: stopped")
-        return stopped
+            self.note(name, why)
+        return names
 
     def heal(self) -> None:
         """Undoes every host fault and continues every stopped task."""

@@ -9,6 +9,8 @@ import contextlib
 import socket
 import time
 
+from absl import logging
+
 from trainer.bench.nemesis import checker
 from trainer.bench.nemesis import run as run_lib
 from trainer.bench.nemesis import schedule as schedule_lib
@@ -41,7 +43,6 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
     reference = checker.checkpoint_values(run_lib.reference_logdir(
         setup, out, [], timeout=flags.run_secs))
     rows = []
-    print(HEADER, flush=True)
     with _hosts(flags.hosts == "simulated") as sim:
         for i in range(flags.schedules):
             seed = flags.seed + i
@@ -67,10 +68,27 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
                    "secs": round(time.monotonic() - started, 1),
                    "codes": outcome.codes, "replay": replay_command(seed)}
             rows.append(row)
-            print(f"{seed:>5}  {'pass' if row['passed'] else 'FAIL':7}  "
-                  f"{row['difference']:>10.3g}  {row['steps']:>5}  "
-                  f"{row['secs']:>5.0f}  {', '.join(row['faults'])} | "
-                  f"{row['out_when']}", flush=True)
-            for problem in row["problems"]:
-                print(f"{'':>7}{problem}", flush=True)
+            logging.info("schedule %d of %d:\n%s", i + 1, flags.schedules,
+                         format_row(row))
     return rows
+
+
+def format_row(row: dict) -> str:
+    """A schedule's line of the table, then one line per problem."""
+    lines = [f"{row['seed']:>5}  {'pass' if row['passed'] else 'FAIL':7}  "
+             f"{row['difference']:>10.3g}  {row['steps']:>5}  "
+             f"{row['secs']:>5.0f}  {', '.join(row['faults'])} | "
+             f"{row['out_when']}"]
+    return "\n".join(lines + [f"{'':>7}{p}" for p in row["problems"]])
+
+
+def table(rows: list[dict]) -> str:
+    """The command's result: a row per schedule, the count, and the replay
+    command of each failing schedule."""
+    failed = [r for r in rows if not r["passed"]]
+    lines = [HEADER, *map(format_row, rows),
+             f"{len(rows) - len(failed)} of {len(rows)} schedules passed; "
+             f"worst difference {max(r['difference'] for r in rows):.3g}"]
+    lines += [f"schedule {r['seed']} failed: {r['problems'][0]}\n"
+              f"  replay: {r['replay']}" for r in failed]
+    return "\n".join(lines)
