@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from trainer.common.config import TrainConfig
 from trainer.learning import batches
+from trainer.learning import fixed_point
 from trainer.learning import params as params_lib
 from trainer.learning import replica
 from trainer.sync import slices
@@ -24,11 +25,14 @@ def test_slices_are_whole_micro_batches_covering_the_batch():
         assert ((cut[:, 1] > cut[:, 0]) == members).all()
 
 
-def _gradients(micro_batch: int, cuts: list) -> list[np.ndarray]:
+def _gradients(micro_batch: int, cuts: list,
+               deterministic: bool = False) -> list[np.ndarray]:
     """Each slice's (shard) gradient sum for global step 3 of a random
-    set of 64 examples: float32 [n] per slice."""
+    set of 64 examples: float32 [n] per slice (int64 [n] in fixed point
+    if deterministic)."""
     config = TrainConfig(logdir="x", model="mlp", hidden_units=16,
-                         batch_size=BATCH, seed=5, micro_batch=micro_batch)
+                         batch_size=BATCH, seed=5, micro_batch=micro_batch,
+                         deterministic=deterministic)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, [64, 28, 28], dtype=np.uint8)
     labels = rng.integers(0, 10, [64]).astype(np.int64)
@@ -46,7 +50,9 @@ def _gradients(micro_batch: int, cuts: list) -> list[np.ndarray]:
         with tf.compat.v1.Session() as session:
             session.run(tf.compat.v1.global_variables_initializer())
             trainset.initialize(session, images, labels)
-            return session.run(grads)
+            # One slice per run, as in a worker: slices computed at once
+            # would race on the trainset's cached epoch order.
+            return [session.run(g) for g in grads]
 
 
 def test_micro_batches_sum_to_the_slice_at_once():
@@ -61,3 +67,22 @@ def test_a_micro_batch_gradient_does_not_depend_on_its_slice():
     alone, first_two, first_one = _gradients(8, [[8, 16], [0, 16], [0, 8]])
     np.testing.assert_allclose(first_two - first_one, alone, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_fixed_point_slices_sum_to_the_batch_bit_for_bit():
+    # --deterministic: however the batch is cut, the slices' integer sums
+    # add up to the whole batch's, exactly, in any order.
+    cuts = [[0, BATCH], [0, 8], [8, 24], [24, BATCH], [0, 16], [16, BATCH]]
+    whole, a, b, c, d, e = _gradients(0, cuts, deterministic=True)
+    assert whole.dtype == np.int64 and np.abs(whole).max() > 2 ** 32
+    np.testing.assert_array_equal(c + b + a, whole)
+    np.testing.assert_array_equal(e + d, whole)
+
+
+def test_deterministic_mean_is_the_float_mean_up_to_rounding():
+    fixed, = _gradients(0, [[0, BATCH]], deterministic=True)
+    plain, = _gradients(8, [[0, BATCH]])
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        mean = session.run(fixed_point.mean(tf.constant(fixed),
+                                            tf.constant(float(BATCH))))
+    np.testing.assert_allclose(mean, plain / BATCH, rtol=1e-5, atol=1e-8)

@@ -90,7 +90,13 @@ flags.DEFINE_integer("micro_batch", 0,
                      "slices are whole micro-batches. An example's gradient "
                      "then has the same bits whatever slice holds it "
                      "(docs/how-it-works.md#micro-batches). 0: each slice "
-                     "in one piece.")
+                     "in one piece (8 rows with --deterministic).")
+flags.DEFINE_bool("deterministic", False,
+                  "Sum gradients as fixed-point integers over micro-batches "
+                  "(--micro_batch, 8 unless given): the parameters then "
+                  "have the same bits for any number of workers, any "
+                  "slicing and any fault (docs/how-it-works.md#"
+                  "bit-identical-training).")
 flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
@@ -282,7 +288,7 @@ def config_from_flags() -> TrainConfig:
         worker_timeout_secs=FLAGS.worker_timeout_secs,
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
         ordered_pulls=FLAGS.ordered_pulls, chunk_kb=FLAGS.chunk_kb,
-        micro_batch=FLAGS.micro_batch,
+        micro_batch=FLAGS.micro_batch, deterministic=FLAGS.deterministic,
         continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 

@@ -11,6 +11,10 @@ LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/learning/optim.
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
 SLICES = ("balanced", "equal")            # trainer/sync/slices.py
 DEFAULT_EPOCHS = 12
+# --deterministic (trainer/learning/fixed_point.py): its micro-batch unless
+# --micro_batch gives one, and the most micro-batches a step can sum.
+DETERMINISTIC_MICRO_BATCH = 8
+MAX_MICRO_BATCHES = 1024
 
 # The settings that must match, declared once, on TrainConfig's fields:
 # WORKERS: every worker must have the chief's (the handshake compares them,
@@ -67,8 +71,17 @@ class TrainConfig:
     ordered_pulls: bool = _shared(False, WORKERS)
     # rows computed together, slices in whole ones (0: each slice at once)
     micro_batch: int = _shared(0, WORKERS)
+    # gradient sums in fixed point: the same bits for any worker count
+    deterministic: bool = _shared(False, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
+
+    def micro_batch_rows(self) -> int:
+        """The micro-batch in use: --micro_batch, else
+        DETERMINISTIC_MICRO_BATCH with --deterministic, else 0 (none)."""
+        if self.micro_batch or not self.deterministic:
+            return self.micro_batch
+        return DETERMINISTIC_MICRO_BATCH
 
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
@@ -139,13 +152,27 @@ def _check_trace_steps(text: str | None) -> None:
 
 
 def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
-    m = config.micro_batch
+    _positive("micro_batch", config.micro_batch or None)
+    m = config.micro_batch_rows()
     if m == 0:
         return
-    _positive("micro_batch", m)
     if config.batch_size % m:
-        raise UserError(f"--micro_batch={m} does not divide --batch_size="
-                        f"{config.batch_size}; pick a divisor of it (or 0)")
+        given = ("" if config.micro_batch else
+                 " (--deterministic's default micro-batch)")
+        raise UserError(f"--micro_batch={m}{given} does not divide "
+                        f"--batch_size={config.batch_size}; pick a divisor "
+                        "of it with --micro_batch")
+    if config.deterministic and (config.batch_size // m
+                                 > MAX_MICRO_BATCHES):
+        raise UserError(
+            f"--batch_size={config.batch_size} holds "
+            f"{config.batch_size // m} micro-batches of {m}; --deterministic "
+            f"sums at most {MAX_MICRO_BATCHES} (int64 range): "
+            "raise --micro_batch")
+    if config.deterministic and config.wire_dtype != "float32":
+        raise UserError(
+            f"--deterministic and --wire_dtype={config.wire_dtype} do not "
+            "mix: the gradient sums cross as int64; drop --wire_dtype")
     if config.batch_size // m < num_workers:
         raise UserError(
             f"--batch_size={config.batch_size} holds "

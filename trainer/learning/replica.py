@@ -12,12 +12,13 @@ from typing import Callable
 import tensorflow as tf
 
 from trainer.learning import batches
+from trainer.learning import fixed_point
 from trainer.learning import model as model_lib
 from trainer.learning import params as params_lib
 from trainer.common.config import TrainConfig
 from trainer.learning.data import IMAGE_SIZE
 
-MICRO_PARALLEL = 8  # micro-batches computed at once; summed in order
+MICRO_PARALLEL = 8  # micro-batches computed at once
 EVAL_CHUNK = 1000  # test images per forward pass; bounds the cnn's memory
 NUM_STATS = 3      # a replica's statistics: examples, loss sum, correct
 _DROPOUT_SEED_SALT = 0x5EED
@@ -104,7 +105,9 @@ class Replica:
     """One worker's gradient computation for one step (tensors on it)."""
 
     step: tf.Tensor          # int64 [], the global step computed
-    shard_grads: list        # float32 [n_s] per shard: gradient of loss sum
+    # per shard: gradient of the loss sum, float32 [n_s] (int64 [n_s] in
+    # fixed point with --deterministic; fixed_point.mean divides either)
+    shard_grads: list
     stats: tf.Tensor         # float32 [NUM_STATS]
 
 
@@ -119,12 +122,16 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
     every worker by its slice, whatever the slices' sizes.
 
     With --micro_batch=m the slice (whole micro-batches) is computed m rows
-    at a time, in order. A matmul's rows differ in their last bits with the
-    number of rows it is given (the kernel blocks its sums by the shape),
-    so only shapes fixed by the global batch, not by the slicing, give an
-    example the same forward and backward pass whoever computes it.
+    at a time. A matmul's rows differ in their last bits with the number
+    of rows it is given (the kernel blocks its sums by the shape), so only
+    shapes fixed by the global batch, not by the slicing, give an example
+    the same forward and backward pass whoever computes it. With
+    --deterministic each micro-batch's gradient is then converted to fixed
+    point and the sums are int64 (trainer/learning/fixed_point.py), so the
+    slice's sum is the same integers in any order; without it they are
+    float32 sums in micro-batch order.
     """
-    m = config.micro_batch
+    m = config.micro_batch_rows()
     if not m:
         return _rows_gradients(config, layout, trainset, step, bounds,
                                shard_values)
@@ -149,12 +156,15 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
                      global_batch_dropout(config.seed, step, rows))
         part = batch_stats(out, y)
         new = tf.gradients(part[1], [by_name[n] for n in names])
-        return (i + 1, [g if d is None else g + d
+        return (i + 1, [g if d is None else g + convert(d)
                         for g, d in zip(grads, new)], stats + part)
 
+    convert, dtype = ((fixed_point.to_fixed, fixed_point.DTYPE)
+                      if config.deterministic else (tf.identity, tf.float32))
     _, grads, stats = tf.while_loop(
         lambda i, *_: i < count, one_micro_batch,
-        [tf.constant(0, tf.int64), [tf.zeros_like(by_name[n]) for n in names],
+        [tf.constant(0, tf.int64),
+         [tf.zeros(by_name[n].shape, dtype) for n in names],
          tf.zeros([NUM_STATS])], parallel_iterations=MICRO_PARALLEL)
     return Replica(step, layout.flatten(dict(zip(names, grads))), stats)
 

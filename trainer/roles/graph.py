@@ -15,6 +15,7 @@ from trainer.cluster import devices
 from trainer.cluster.spec import Task
 from trainer.common.config import WORKERS, TrainConfig, shared_settings
 from trainer.learning import batches
+from trainer.learning import fixed_point
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.roles import step as step_lib
@@ -123,8 +124,9 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                                             k)):
             flat = params_lib.FlatParams(layout)
             shard_devices = [devices.ps_device(i) for i in flat.ps_indices]
-            shared = state_lib.SharedState(cluster.num_workers, flat.sizes,
-                                           shard_devices, train_steps)
+            shared = state_lib.SharedState(
+                cluster.num_workers, flat.sizes, shard_devices, train_steps,
+                fixed_point.DTYPE if config.deterministic else tf.float32)
             turns = pull_turns_lib.PullTurns(
                 cluster.num_workers, shard_devices, config.ordered_pulls)
             coord = coordination.RunCoordination(
@@ -144,7 +146,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 rule = averaging.Averaging(shared, config.batch_size,
                                            config.backup_workers,
                                            config.slices, turns,
-                                           config.micro_batch)
+                                           config.micro_batch_rows())
                 update = optim.ScheduledUpdate(config, train_steps)
                 step_body = step_lib.ChiefStep(parts, rule, update)
             else:

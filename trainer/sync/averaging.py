@@ -59,6 +59,7 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from trainer.learning import fixed_point
 from trainer.sync import pace as pace_lib
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
@@ -270,8 +271,10 @@ class Averaging:
         mean_grads = []
         for grads, device in zip(s.grads, s.shard_devices):
             with tf.device(device):
-                mean_grads.append(
-                    tf.reduce_sum(grads.sparse_read(rows), axis=0) / stats[0])
+                # int64 rows (--deterministic) add up to the same sum
+                # in any order; float32 rows to nearly the same.
+                mean_grads.append(fixed_point.mean(
+                    tf.reduce_sum(grads.sparse_read(rows), axis=0), stats[0]))
         return mean_grads, stats
 
     def count_and_advance(self, step: tf.Tensor, after: list) -> tf.Tensor:

@@ -72,8 +72,11 @@ class SharedState:
     """The protocol's variables and queues (shapes in the comments)."""
 
     def __init__(self, num_workers: int, shard_sizes: list[int],
-                 shard_devices: list[str], train_steps: int = 1):
-        self.num_workers = num_workers
+                 shard_devices: list[str], train_steps: int = 1,
+                 grad_dtype: tf.DType = tf.float32):
+        """grad_dtype: the gradient rows', float32, or int64 for fixed-point
+        sums (--deterministic, trainer/learning/fixed_point.py)."""
+        self.num_workers, self.grad_dtype = num_workers, grad_dtype
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
         zeros = tf.compat.v1.zeros_initializer()
         n = [num_workers]
@@ -163,12 +166,12 @@ class SharedState:
                                      zeros, True)
 
     def _gradient_rows(self, shard: int):
-        """float32 [N, n_s] on shard s's ps: row k is worker k's gradient
-        sum of its latest slice."""
+        """grad_dtype [N, n_s] on shard s's ps: row k is worker k's
+        gradient sum of its latest slice."""
         with tf.device(self.shard_devices[shard]):
             return ps_variable(
                 f"sync/grads_{shard}",
-                [self.num_workers, self.shard_sizes[shard]], tf.float32,
+                [self.num_workers, self.shard_sizes[shard]], self.grad_dtype,
                 tf.compat.v1.zeros_initializer(), transient=True)
 
     def send_event(self, kind: int, worker, step=-1, round_=-1

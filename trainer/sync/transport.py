@@ -9,6 +9,7 @@ workers' rounding is the only approximation.
 
 import tensorflow as tf
 
+from trainer.learning import fixed_point
 from trainer.learning.replica import NUM_STATS
 from trainer.sync import state as state_lib
 from trainer.sync import wire
@@ -74,32 +75,44 @@ class Transport:
 
         Args:
           token: int64 [4], the token the gradients were computed for.
-          shard_grads: float32 [n_s] per shard, the sum over this slice's
-            examples of the per-example loss gradient.
+          shard_grads: per shard, the sum over this slice's examples of
+            the per-example loss gradient: float32 [n_s], or int64 [n_s]
+            in fixed point (--deterministic), which crosses as it is.
           stats: float32 [3], (examples, loss sum, correct predictions).
         """
         shared, dtype = self.shared, self.wire_dtype
-        sent = [wire.to_wire(grads, dtype) for grads in shard_grads]
-        packed = tf.concat([sent[0], wire.bits_to_wire(stats, dtype),
-                            wire.bits_to_wire(token, dtype)], axis=0)
+        fixed = shared.grad_dtype == fixed_point.DTYPE
+        sent = (shard_grads if fixed else
+                [wire.to_wire(grads, dtype) for grads in shard_grads])
+        # Shard 0's gradient, the stats and the token cross as one tensor
+        # of the wire dtype; int64 sums are packed as int32 pairs instead.
+        carrier = tf.int32 if fixed else dtype
+        packed = tf.concat([wire.bits_to_wire(sent[0], carrier),
+                            wire.bits_to_wire(stats, carrier),
+                            wire.bits_to_wire(token, carrier)], axis=0)
         row = tf.constant([worker])
         with tf.device(shared.shard_devices[0]):
             grad0, stats_bits, token_bits = _unpack(packed, [
-                shared.shard_sizes[0],
-                wire.exact_size(tf.float32, NUM_STATS, dtype),
-                wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, dtype)])
+                wire.exact_size(sent[0].dtype, shared.shard_sizes[0],
+                                carrier),
+                wire.exact_size(tf.float32, NUM_STATS, carrier),
+                wire.exact_size(tf.int64, state_lib.TOKEN_SIZE, carrier)])
+            grad0 = (wire.bits_from_wire(grad0, fixed_point.DTYPE,
+                                         [shared.shard_sizes[0]])
+                     if fixed else wire.from_wire(grad0))
             stats_ps = wire.bits_from_wire(stats_bits, tf.float32,
                                            [NUM_STATS])
             token_ps = wire.bits_from_wire(token_bits, tf.int64,
                                            [state_lib.TOKEN_SIZE])
-            writes = [_write_row(shared.grads[0], row, wire.from_wire(grad0)),
+            writes = [_write_row(shared.grads[0], row, grad0),
                       _write_row(shared.stats, row, stats_ps),
                       _write_row(shared.pushed_slices, row, token_ps[2:])]
             step_ps, round_ps = token_ps[0], token_ps[1]
         for s in range(1, len(shared.grads)):
             with tf.device(shared.shard_devices[s]):
-                writes.append(_write_row(shared.grads[s], row,
-                                         wire.from_wire(sent[s])))
+                writes.append(_write_row(
+                    shared.grads[s], row,
+                    sent[s] if fixed else wire.from_wire(sent[s])))
         with tf.control_dependencies(writes):
             return shared.send_event(state_lib.PUSHED, worker, step_ps,
                                      round_ps)

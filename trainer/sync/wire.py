@@ -22,6 +22,10 @@ dtype before sending it and turns the gradient rows back into float32 on
 arrival; the worker does the opposite. The update is the float32 mean of
 the wire-rounded gradient sums, computed on wire-rounded parameters.
 
+Fixed-point gradient sums (--deterministic, trainer/learning/fixed_point.py)
+are int64 and cross as they are, at twice float32's bytes; they do not
+mix with a 16-bit wire (trainer/common/config.py refuses it).
+
 Values that must stay exact (the int64 step, the float32 statistics) ride
 in the same tensors as the rounded values, their bits reinterpreted as
 16-bit elements by `tf.bitcast`: concat and slice copy bits unchanged, so
@@ -80,7 +84,8 @@ def exact_size(dtype: tf.DType, num_elements: int, wire: tf.DType) -> int:
 
 
 def bits_to_wire(value: tf.Tensor, wire: tf.DType) -> tf.Tensor:
-    """The bits of `value` (int64 [] or float32 [n]) as a wire [m] vector.
+    """The bits of `value` (int64 [] or [n], float32 [n]) as a wire [m]
+    vector.
 
     m = exact_size(value.dtype, elements, wire); `bits_from_wire` restores
     `value` bit for bit.
@@ -96,7 +101,8 @@ def bits_from_wire(bits: tf.Tensor, dtype: tf.DType,
     """Inverse of bits_to_wire: wire [m] -> `dtype` of `shape` ([] or [n])."""
     if bits.dtype == dtype:
         return bits
-    if shape:  # bitcast to a wider type takes a last axis of the ratio
+    if shape and dtype.size > bits.dtype.size:
+        # bitcast to a wider type takes a last axis of the ratio
         bits = tf.reshape(bits, list(shape) + [dtype.size // bits.dtype.size])
     return tf.bitcast(bits, dtype)
 

@@ -17,6 +17,7 @@ from trainer.bench.baselines import peer
 from trainer.common.config import TrainConfig
 from trainer.common.tf_session import make_callable
 from trainer.learning import batches
+from trainer.learning import fixed_point
 from trainer.learning import optim
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
@@ -61,7 +62,8 @@ def build_single_process(config: TrainConfig, num_train_examples: int,
             values = [v.read_value() for v in flat.variables]
             replica = replica_lib.compute_gradients(
                 config, flat, trainset, step, trainset.bounds, values)
-            mean = [g / replica.stats[0] for g in replica.shard_grads]
+            mean = [fixed_point.mean(g, replica.stats[0])
+                    for g in replica.shard_grads]
             optimizer = optim.make_optimizer(
                 config, optim.learning_rate(config, step, train_steps))
             update = optimizer.apply_gradients(
