@@ -88,6 +88,26 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
     assert reference["averaged_steps"] == {"0": STEPS}
 
 
+def test_deterministic_runs_have_the_same_bits_for_any_shape(tmp_path,
+                                                             fake_data):
+    # Float sums differ in their last bits from the first step with
+    # another slicing; fixed-point sums must not, in any variable (Adam's
+    # slots included), on any number of workers or ps tasks.
+    common = ("--model=mlp", "--batch_size=64", f"--train_steps={STEPS}",
+              "--seed=7", "--log_every=10", "--deterministic")
+    reference_dir, _ = train(tmp_path, fake_data, 1, *common)
+    expected = final_parameters(reference_dir)
+    assert any(name.endswith("/v") for name in expected)
+    for workers, num_ps, extra in [(3, 1, ()), (2, 2, ("--slices=equal",))]:
+        logdir, results = train(tmp_path, fake_data, workers, *common,
+                                *extra, num_ps=num_ps)
+        assert sum(results["averaged_examples"].values()) == 64 * STEPS
+        values = final_parameters(logdir)
+        differ = [name for name in expected
+                  if values[name].tobytes() != expected[name].tobytes()]
+        assert not differ, f"{workers} workers, {num_ps} ps: {differ}"
+
+
 def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
     common = ("--model=mlp", "--optimizer=sgd", "--learning_rate=0.1",
               "--lr_schedule=constant", "--batch_size=64", "--seed=3",

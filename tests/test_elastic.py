@@ -4,7 +4,8 @@ size, and every step still averages the whole global batch.
 Each run is compared with an uninterrupted one-worker run of the same
 flags: parameters and Adam's slots must agree to float rounding (who
 computes which slice changes only the order of the sums; one and four
-workers already differ by about 2e-5 after 600 steps).
+workers already differ by about 2e-5 after 600 steps), and bit for bit
+with --deterministic (fixed-point sums).
 """
 
 import contextlib
@@ -34,12 +35,26 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data):
-    """Parameters and slots of the same training on one worker."""
-    logdir = tmp_path_factory.mktemp("reference")
-    result = helpers.launch(logdir, data, 1, *FLAGS, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:]
-    return final_parameters(logdir)
+def references(tmp_path_factory, data):
+    """mode ("" or "--deterministic") -> parameters and slots of the same
+    training on one worker, run when first asked for."""
+    made = {}
+
+    def reference(mode: str = "") -> dict:
+        if mode not in made:
+            logdir = tmp_path_factory.mktemp("reference")
+            result = helpers.launch(logdir, data, 1, *FLAGS,
+                                    *filter(None, [mode]), timeout=300)
+            assert result.returncode == 0, result.stdout[-3000:]
+            made[mode] = final_parameters(logdir)
+        return made[mode]
+
+    return reference
+
+
+@pytest.fixture
+def reference(references):
+    return references()
 
 
 @pytest.fixture
@@ -58,9 +73,9 @@ def cluster(tmp_path, data):
         c.close()
 
 
-def assert_exact(logdir, reference) -> dict:
-    """The run ended at STEPS with the reference's parameters and slots;
-    returns its results.json."""
+def assert_exact(logdir, reference, tolerance=TOLERANCE) -> dict:
+    """The run ended at STEPS with the reference's parameters and slots
+    (bit for bit if tolerance is 0); returns its results.json."""
     results = json.loads((logdir / "results.json").read_text())
     assert results["global_step"] == STEPS
     # Every step of this launch averaged the whole global batch of 64,
@@ -72,7 +87,11 @@ def assert_exact(logdir, reference) -> dict:
     assert any(name.endswith("/m") for name in parameters)  # Adam's slots
     difference = max_relative_difference(reference, parameters)
     print(f"largest relative difference from one worker: {difference:.3g}")
-    assert difference <= TOLERANCE
+    if tolerance == 0:
+        bits = {name: final.tobytes() for name, final in parameters.items()}
+        assert bits == {name: value.tobytes()
+                        for name, value in reference.items()}
+    assert difference <= tolerance
     return results
 
 
@@ -126,10 +145,12 @@ def joined_all(c, workers) -> None:
 
 # With ordered pulls too (a member's turns then come from the plan; the
 # unit tests in test_sync.py cover that), only with --runslow: CI's time.
+# With --deterministic, bit for bit the 1-worker run's.
 @pytest.mark.parametrize("order", [
-    "", pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
+    "", "--deterministic",
+    pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
 def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
-        cluster, tmp_path, reference, order):
+        cluster, tmp_path, references, order):
     c = cluster(4, *filter(None, [order]))
     c.start("ps", 0)
     for k in range(4):
@@ -158,16 +179,20 @@ def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
                         "worker3": 0}
     steps = steps_logged(c.log("worker0"))
     assert steps == sorted(steps)  # the global step never went back
-    results = assert_exact(tmp_path / "logs", reference)
+    deterministic = order == "--deterministic"
+    results = assert_exact(tmp_path / "logs",
+                           references(order if deterministic else ""),
+                           0 if deterministic else TOLERANCE)
     print("membership:", results["membership"])
     events = [(r["event"], r["worker"]) for r in results["membership"]]
     left = events.index(("left", 2))
     assert ("joined", 2) in events[left + 1:]
 
 
+@pytest.mark.parametrize("mode", ["", "--deterministic"])
 def test_a_run_that_starts_with_the_chief_alone_takes_in_three_workers(
-        cluster, tmp_path, reference):
-    c = cluster(4)
+        cluster, tmp_path, references, mode):
+    c = cluster(4, *filter(None, [mode]))
     c.start("ps", 0)
     c.start("worker", 0)
     c.wait_for("worker0", r"step (1\d\d|[2-4]\d\d)/")
@@ -179,7 +204,8 @@ def test_a_run_that_starts_with_the_chief_alone_takes_in_three_workers(
         assert int(joined.group(1)) >= 100
     assert [c.wait(f"worker{k}") for k in range(4)] == [0] * 4
     assert c.wait("ps0") == 0
-    results = assert_exact(tmp_path / "logs", reference)
+    results = assert_exact(tmp_path / "logs", references(mode),
+                           0 if mode else TOLERANCE)
     assert results["averaged_steps"]["0"] == STEPS
     # Joined at step 100 or later (a worker this busy machine slows may
     # sit some rounds out: no lower bound).

@@ -275,6 +275,8 @@ def _footer(rows: list, reference: float, out: pathlib.Path) -> str:
         lines.append(f"each row: the median of {runs} runs by images/s "
                      f"({len(checks.seeds())} seed(s) x {FLAGS.repeats}); mean, min "
                      "and max over them in the _mean/_min/_max columns")
+    if FLAGS.deterministic:
+        lines.append(rows_lib.deterministic_note(rows))
     lines.append(f"outputs in {out}; tensorboard --logdir {out}")
     return "\n".join(lines)
 

@@ -60,6 +60,9 @@ flags.DEFINE_float("worker_timeout_secs", 10.0, "The runs' "
                    "--worker_timeout_secs.")
 flags.DEFINE_float("yardstick", 1e-4, "Largest relative difference from "
                    "the 1-worker run that passes.")
+flags.DEFINE_boolean("deterministic", False, "Train with --deterministic "
+                     "(the reference too) and judge by equality: every "
+                     "variable bit for bit the 1-worker run's.")
 flags.DEFINE_list("train_flags", [], "More training flags for every task "
                   "and the reference (e.g. --optimizer=sgd).")
 flags.DEFINE_string("data_dir", "../shared/mnist", "MNIST folder.")
@@ -75,7 +78,14 @@ def train_flags() -> list[str]:
             "--inter_op_threads=1", "--startup_timeout_secs=120",
             f"--worker_timeout_secs={FLAGS.worker_timeout_secs:g}",
             f"--data_dir={FLAGS.data_dir}", "--nodownload",
+            *(["--deterministic"] if FLAGS.deterministic else []),
             *FLAGS.train_flags]
+
+
+def yardstick() -> float:
+    """The largest relative difference that passes: 0 (equality) with
+    --deterministic."""
+    return 0.0 if FLAGS.deterministic else FLAGS.yardstick
 
 
 def replay_command(seed: int) -> str:
@@ -83,7 +93,7 @@ def replay_command(seed: int) -> str:
     names = ("schedule", "faults", "max_fault_secs", "covering",
              "workers", "model", "train_steps", "hosts", "kinds", "cpu",
              "training_cpu", "link_rate", "worker_timeout_secs",
-             "yardstick", "train_flags", "data_dir")
+             "yardstick", "deterministic", "train_flags", "data_dir")
     args = [f"--{n}={','.join(v) if isinstance(v, list) else v}"
             for n in names if (v := FLAGS[n].value) is not None]
     return shlex.join([sys.executable, "-m", "trainer.nemesis",
@@ -95,7 +105,7 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     logs = [p.read_text(errors="replace")
             for p in sorted(outcome.folder.glob("worker0.*.log"))]
     param_problems, worst, where = checker.parameters(
-        reference, outcome.logdir, FLAGS.yardstick)
+        reference, outcome.logdir, yardstick())
     record_path = outcome.logdir / checker.RECORD_FILE
     record = np.load(record_path) if record_path.exists() else None
     problems = (param_problems

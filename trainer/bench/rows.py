@@ -154,3 +154,21 @@ def write_dashboard(out, spec: dict) -> None:
     for session in spec["sessions"]:
         dashboard.write_run(out, session["name"], session["hparams"],
                             session["metrics"])
+
+
+def deterministic_note(rows: list[dict]) -> str:
+    """The line under the table for a --deterministic benchmark: whether
+    the ps rows' (and the single process's) test accuracies are equal to
+    the last digit, as fixed-point sums promise, or which differ."""
+    same_sum = [r for r in rows if r["kind"] in ("ps", "single")
+                and "test_accuracy" in r]
+    values = {r["test_accuracy"] for r in same_sum}
+    names = ", ".join(r["run"] for r in same_sum)
+    if len(values) == 1:
+        return (f"--deterministic: test accuracy {values.pop():.4%} in "
+                f"every row that sums in fixed point ({names}), equal to "
+                "the last digit")
+    listed = ", ".join(f"{r['run']} {r['test_accuracy']:.4%}"
+                       for r in same_sum)
+    return (f"--deterministic, yet the test accuracies differ: {listed}; "
+            "see docs/how-it-works.md#bit-identical-training")
