@@ -22,9 +22,10 @@ def session_config(config: TrainConfig, task: Task) -> tf.compat.v1.ConfigProto:
     TensorFlow processes share two cores here: spinning idle threads would
     steal the cores the busy ones need.
     """
+    intra, inter = config.op_threads()
     proto = tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=config.intra_op_threads,
-        inter_op_parallelism_threads=config.inter_op_threads,
+        intra_op_parallelism_threads=intra,
+        inter_op_parallelism_threads=inter,
         allow_soft_placement=False)
     proto.experimental.disable_thread_spinning = True
     if task.job_name == "ps":

@@ -83,6 +83,19 @@ class TrainConfig:
             return self.micro_batch
         return DETERMINISTIC_MICRO_BATCH
 
+    def op_threads(self) -> tuple[int, int]:
+        """(intra-op, inter-op) threads of a task's session; 0: all cores.
+
+        With --deterministic every op runs on one thread: a multi-threaded
+        kernel may split a long sum (the cnn's filter gradient over a
+        micro-batch) by the thread count, and so give a micro-batch other
+        bits on a machine with other cores. The threads go to running
+        micro-batches side by side instead (inter-op)."""
+        intra, inter = self.intra_op_threads, self.inter_op_threads
+        if not self.deterministic:
+            return intra, inter
+        return 1, (0 if 0 in (intra, inter) else max(intra, inter))
+
     def replicas_to_aggregate(self, num_workers: int) -> int:
         return num_workers - self.backup_workers
 

@@ -91,9 +91,10 @@ def run_single_process(config: TrainConfig, out_path: str) -> None:
     mnist, train_steps = common.load(config, need_test=True)
     g = build_single_process(config, len(mnist.train_labels),
                                        len(mnist.test_labels), train_steps)
+    intra, inter = config.op_threads()
     session = tf.compat.v1.Session(graph=g.graph, config=tf.compat.v1.ConfigProto(
-        intra_op_parallelism_threads=config.intra_op_threads,
-        inter_op_parallelism_threads=config.inter_op_threads))
+        intra_op_parallelism_threads=intra,
+        inter_op_parallelism_threads=inter))
     g.trainset.initialize(session, mnist.train_images, mnist.train_labels)
     g.testset_init(session, mnist.test_images, mnist.test_labels)
     session.run(g.init_op)
