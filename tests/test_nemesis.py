@@ -125,9 +125,10 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
 
 @pytest.mark.hosts
 def test_three_short_schedules_cover_every_fault_kind(tmp_path):
-    """The suite's nemesis: every fault kind on 4 workers; each schedule
-    judged by the whole checker (parameters against the 1-worker run,
-    each step's average, statuses, rejoins, cleanup)."""
+    """The suite's nemesis: every fault kind on 4 workers, with
+    --deterministic; each schedule judged by the whole checker (every
+    variable bit for bit the 1-worker run's, each step's average,
+    statuses, rejoins, cleanup)."""
     from trainer.bench.simhosts import hosts
     try:
         hosts.check_available()
@@ -141,7 +142,8 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "trainer.nemesis", "--covering",
          "--schedules=3", "--seed=1", "--workers=4", "--train_steps=300",
-         "--max_fault_secs=15", f"--data_dir={data}", f"--out={out}"],
+         "--max_fault_secs=15", "--deterministic", f"--data_dir={data}",
+         f"--out={out}"],
         capture_output=True, text=True, timeout=720, cwd=helpers.REPO,
         env=helpers.python_env())
     print(result.stdout[-3000:])
@@ -149,6 +151,7 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[
         -3000:]
     assert len(rows) == 3 and all(r["passed"] for r in rows)
+    assert all(r["difference"] == 0 for r in rows)
     kinds = {f.split()[0] for r in rows for f in r["faults"]}
     assert kinds == set(schedule.KINDS)
     assert set(_namespaces()) <= before
