@@ -74,8 +74,7 @@ class SharedState:
     def __init__(self, num_workers: int, shard_sizes: list[int],
                  shard_devices: list[str], train_steps: int = 1,
                  grad_dtype: tf.DType = tf.float32):
-        """grad_dtype: the gradient rows', float32, or int64 for fixed-point
-        sums (--deterministic, trainer/learning/fixed_point.py)."""
+        # grad_dtype: the gradient rows' (int64: --deterministic's sums).
         self.num_workers, self.grad_dtype = num_workers, grad_dtype
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
         zeros = tf.compat.v1.zeros_initializer()
@@ -99,22 +98,7 @@ class SharedState:
             self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
                                       True)  # [first, end) per worker
             self._timing_variables(n, zeros)
-            # Per worker: [steps whose average held its gradient, the
-            # examples it contributed to them] (int64 [N, 2]).
-            self.contributions = ps_variable(
-                "sync/contributions", n + [2], tf.int64, zeros, True)
-            self.stats = ps_variable("sync/stats", n + [NUM_STATS],
-                                     tf.float32, zeros, True)
-            # [first, end) of each worker's latest push, as it computed it.
-            self.pushed_slices = ps_variable("sync/pushed_slices", n + [2],
-                                             tf.int64, zeros, True)
-            # Per global step, what its average held (averaging.py's
-            # record_step): [the admitted slices cover the global batch
-            # exactly once (1) or not (0), then each worker's examples].
-            # Steps applied before the chief's latest start are 0.
-            self.by_step = ps_variable(
-                "sync/averaged_by_step", [max(train_steps, 1), 1 + num_workers],
-                tf.int32, zeros, True)
+            self._record_variables(n, zeros, train_steps)
             # Set by the chief's Python side: end the loop at the next step
             # boundary (SIGTERM, too few workers).
             self.halt = ps_variable("sync/halt", [], tf.int64, zeros, True)
@@ -134,6 +118,26 @@ class SharedState:
                                                [[TOKEN_SIZE]])
                            for k in range(num_workers)]
         self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
+
+    def _record_variables(self, n: list, zeros, train_steps: int) -> None:
+        """What the pushes and the averages held, on the current (ps 0)
+        device."""
+        # Per worker: [steps whose average held its gradient, the
+        # examples it contributed to them] (int64 [N, 2]).
+        self.contributions = ps_variable(
+            "sync/contributions", n + [2], tf.int64, zeros, True)
+        self.stats = ps_variable("sync/stats", n + [NUM_STATS],
+                                 tf.float32, zeros, True)
+        # [first, end) of each worker's latest push, as it computed it.
+        self.pushed_slices = ps_variable("sync/pushed_slices", n + [2],
+                                         tf.int64, zeros, True)
+        # Per global step, what its average held (averaging.py's
+        # record_step): [the admitted slices cover the global batch
+        # exactly once (1) or not (0), then each worker's examples].
+        # Steps applied before the chief's latest start are 0.
+        self.by_step = ps_variable(
+            "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]],
+            tf.int32, zeros, True)
 
     def _timing_variables(self, n: list, zeros) -> None:
         """Per worker, on the current (ps 0) device: its speed, how long
