@@ -58,13 +58,14 @@ def test_rows_give_mean_min_max_over_seeds_and_the_median_run(tmp_path):
 def test_the_deterministic_note_says_whether_accuracies_are_equal():
     rows = [{"run": "ps_1w", "kind": "ps", "test_accuracy": 0.9843},
             {"run": "ps_2w", "kind": "ps", "test_accuracy": 0.9843},
-            {"run": "mwms_2w", "kind": "mwms", "test_accuracy": 0.9851}]
+            {"run": "mwms_2w", "kind": "mwms", "test_accuracy": 0.9851},
+            {"run": "single_2t", "kind": "single", "test_accuracy": 0.9842}]
     note = rows_lib.deterministic_note(rows)
-    assert "98.4300% in every row" in note and "ps_1w, ps_2w" in note
+    assert "98.4300% in every ps row" in note and "ps_1w, ps_2w" in note
     rows[1]["test_accuracy"] = 0.9844
     note = rows_lib.deterministic_note(rows)
     assert "differ: ps_1w 98.4300%, ps_2w 98.4400%" in note
-    assert "mwms" not in note  # all-reduce sums floats; not promised
+    assert "mwms" not in note and "single" not in note  # not promised
 
 
 def test_a_new_peer_in_the_registry_gets_a_line_in_the_chart(monkeypatch):
