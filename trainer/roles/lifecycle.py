@@ -7,7 +7,6 @@ A worker that loses the ps tasks (one died or restarted) reconnects:
 
 import abc
 import os
-import socket
 import threading
 import time
 
@@ -16,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.cluster import devices
+from trainer.cluster import ports
 from trainer.observe import tracing
 from trainer.roles import watchdog as watchdog_lib
 from trainer.roles import graph as worker_graph
-from trainer.cluster.spec import Task, split_address
+from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.learning.data import Mnist
 from trainer.common.errors import RunFailed
@@ -288,28 +288,19 @@ def poll_until(ready, timeout: float, waiting, failure) -> None:
 
 def wait_for_ps(task: Task, timeout: float) -> None:
     """Waits until every ps task accepts connections, logging progress."""
-    start = time.monotonic()
     pending = list(range(task.cluster.num_ps))
-    next_log = start  # say at once what we wait for, then every few secs
-    while pending:
-        for index in list(pending):
-            host, port = split_address(task.cluster.ps[index], "--ps_hosts")
-            try:
-                socket.create_connection((host.strip("[]"), port),
-                                         timeout=1.0).close()
-                pending.remove(index)
-            except OSError:
-                pass
-        now = time.monotonic()
-        names = ", ".join(task.cluster.describe("ps", i) for i in pending)
-        if pending and now - start > timeout:
-            raise RunFailed(
-                f"{names} did not start within {timeout:.0f} s "
-                "(--startup_timeout_secs); start it (run_ps.sh) or fix "
-                "--ps_hosts")
-        if pending and now >= next_log:
-            logging.info("waiting for %s to start: %.0f s", names,
-                         now - start)
-            next_log = now + PROGRESS_LOG_SECS
-        if pending:
-            time.sleep(POLL_SECS)
+
+    def ready() -> bool:
+        pending[:] = [i for i in pending if ports.answer(
+            task.cluster.ps[i], 1.0, "--ps_hosts") != ports.OPEN]
+        return not pending
+
+    def names() -> str:
+        return ", ".join(task.cluster.describe("ps", i) for i in pending)
+
+    poll_until(ready, timeout,
+               lambda secs: f"waiting for {names()} to start: {secs:.0f} s",
+               lambda: f"{names()} did not start within {timeout:.0f} s "
+                       "(--startup_timeout_secs); start it (run_ps.sh) or "
+                       "fix --ps_hosts")
+

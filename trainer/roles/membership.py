@@ -25,14 +25,13 @@ itself stops: trainer/roles/step.py.)
 """
 
 import dataclasses
-import socket
 import time
 from typing import Callable
 
 from absl import logging
 import numpy as np
 
-from trainer.cluster.spec import split_address
+from trainer.cluster import ports
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
 from trainer.roles.watchdog import BoundedRead
@@ -146,7 +145,8 @@ class MembershipWatch(BackgroundThread):
         if silent >= timeout:
             self.reasons[k] = (f" (no gradient for step {state.step} in "
                                f"{timeout:.0f} s, --worker_timeout_secs)")
-        elif silent >= PROBE_AFTER_SECS and self._refuses(k):
+        elif silent >= PROBE_AFTER_SECS and ports.answer(
+                self._cluster.workers[k], 0.5, "worker") == ports.REFUSED:
             self.reasons[k] = " (its port refuses connections)"
         else:
             return
@@ -164,18 +164,6 @@ class MembershipWatch(BackgroundThread):
                 if state.roster[k] and (
                     (state.planned[k] and not state.admitted[k])
                     or state.last_push[k] < state.issued_round[k])]
-
-    def _refuses(self, k: int) -> bool:
-        """True if worker k's port actively refuses a connection."""
-        host, port = split_address(self._cluster.workers[k], "worker")
-        try:
-            socket.create_connection((host.strip("[]"), port),
-                                     timeout=0.5).close()
-        except ConnectionRefusedError:
-            return True
-        except OSError:
-            return False
-        return False
 
     def _write_slices(self, state: _Round, logged_step: int) -> int:
         """Each worker's slice, once per --log_every steps."""

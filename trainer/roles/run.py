@@ -5,7 +5,6 @@
 `trainer.main` only parses flags and calls it.
 """
 
-import socket
 import threading
 
 from absl import logging
@@ -15,9 +14,10 @@ from trainer.saving import checkpoints
 from trainer.saving import settings
 from trainer.learning import data as data_lib
 from trainer.cluster import devices
+from trainer.cluster import ports
 from trainer.roles import ps
 from trainer.roles.chief import Chief
-from trainer.cluster.spec import Task, split_address
+from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import edge
 from trainer.roles.worker import Worker
@@ -26,7 +26,7 @@ from trainer.roles.worker import Worker
 def run(config: TrainConfig, task: Task) -> None:
     """Runs this task to the end of training; raises UserError/RunFailed."""
     validate(config, task.cluster.num_workers)
-    check_port_free(task)
+    ports.check_free(task)
     if task.job_name == "ps":
         ps.serve(config, task, start_server(config, task))
         return
@@ -89,21 +89,3 @@ def start_server(config: TrainConfig, task: Task):
         tf.train.ClusterSpec(task.cluster.as_dict()), job_name=task.job_name,
         task_index=task.task_index,
         config=devices.session_config(config, task))
-
-
-def check_port_free(task: Task) -> None:
-    """Fails clearly if this task's port is taken on this machine.
-
-    TensorFlow's server would otherwise fail with a gRPC error deep inside,
-    or, as gRPC sets SO_REUSEPORT, share the port with the other process.
-    """
-    _, port = split_address(task.address, "this task's address")
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        with edge(f"port {port} of {task.describe()}", None,
-                  "stop the process that holds it or give this task "
-                  "another port"):
-            probe.bind(("", port))
-    finally:
-        probe.close()
