@@ -3,7 +3,8 @@ writing it whole.
 
 `Outcome` is what the step loop (progress.drive) measured; `results_fields`
 adds the final accuracy, the flags, peak memory and the provenance
-(provenance.py); `write_json` writes a file whole or not at all.
+(provenance.py); `ChiefReport` and `ps_results` add what a ps run's chief
+counted; `write_json` writes a file whole or not at all.
 """
 
 import dataclasses
@@ -12,6 +13,9 @@ import os
 import pathlib
 import resource
 
+import numpy as np
+
+from trainer.cluster.spec import Cluster
 from trainer.common.config import TrainConfig
 from trainer.observe import provenance
 
@@ -52,6 +56,50 @@ def results_fields(outcome: Outcome, config: TrainConfig,
             "eval_history": outcome.history, "peak_rss_mb": peak_rss_mb(),
             "flags": dataclasses.asdict(config),
             "provenance": provenance.collect()}
+
+
+@dataclasses.dataclass
+class ChiefReport:
+    """What a ps run's chief counted and timed in one launch."""
+
+    steps_this_run: int
+    counted: np.ndarray   # int64 [N, 2]: per worker, steps and examples
+    pushed: dict          # worker -> gradients it says it pushed
+    membership: list      # every roster change
+    broken_steps: int     # steps not averaging the global batch once
+    step_breakdown: dict | None = None   # traced step phases (tracing.py)
+
+
+def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,
+               cluster: Cluster, counts: ChiefReport) -> dict:
+    """The ps trainer's results.json. averaged_steps: the applied steps of
+    this launch whose average held each worker's gradient (ps-side,
+    exact); averaged_examples: the examples of each worker's slices in
+    them; pushed_gradients: what each worker says it pushed (stale,
+    dropped and redone ones included); membership: every roster change."""
+    return {
+        **results_fields(outcome, config, train_steps),
+        "global_step": train_steps,
+        "steps_this_run": counts.steps_this_run,
+        "num_workers": cluster.num_workers,
+        "num_ps": cluster.num_ps,
+        "replicas_to_aggregate": config.replicas_to_aggregate(
+            cluster.num_workers),
+        "backup_workers": config.backup_workers,
+        "dropped_gradients": outcome.dropped,
+        "min_workers": config.min_workers,
+        "slices": config.slices,
+        "averaged_steps": {str(k): int(n)
+                           for k, n in enumerate(counts.counted[:, 0])},
+        "averaged_examples": {str(k): int(n)
+                              for k, n in enumerate(counts.counted[:, 1])},
+        "pushed_gradients": {str(k): v for k, v in counts.pushed.items()},
+        "membership": counts.membership,
+        "steps_not_averaging_the_batch_once": counts.broken_steps,
+        "cluster": cluster.as_dict(),
+        **({"step_breakdown": counts.step_breakdown}
+           if counts.step_breakdown else {}),
+    }
 
 
 def write_json(path: pathlib.Path, value: dict,

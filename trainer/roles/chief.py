@@ -53,7 +53,7 @@ class Chief(WorkerRole):
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
         writer = summaries.summary_writer(str(logdir), self.g.graph)
-        with self._membership_watch(logdir, writer) as watch, \
+        with self._membership_watch(writer) as watch, \
                 self._round_deadlines():
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
@@ -72,13 +72,14 @@ class Chief(WorkerRole):
         self.pushed = int(self.session.run(self.g.handles.round))
         self._export(logdir)
         pushed = self._collect_finished()
-        self._write_results(logdir, self.train_steps - step, outcome,
-                            counted, pushed, step_breakdown, watch.records)
+        counts = results_lib.ChiefReport(
+            self.train_steps - step, counted, {0: self.pushed, **pushed},
+            watch.records, len(self.broken_steps), step_breakdown)
+        self._write_results(logdir, outcome, counts)
         self._shut_down_ps()
         self.close_session()
 
-    def _membership_watch(self, logdir: pathlib.Path, writer
-                          ) -> membership.MembershipWatch:
+    def _membership_watch(self, writer) -> membership.MembershipWatch:
         ops, handles = self.g.chief, self.g.handles
         read = self.callable({
             "step": handles.global_step, "round": handles.round,
@@ -90,8 +91,7 @@ class Chief(WorkerRole):
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
             self.task.cluster, self.config, writer,
-            on_unreachable=lambda at, who: self._stop_stalled_run(
-                logdir, at, who))
+            on_unreachable=self._stop_stalled_run)
 
     def _round_deadlines(self):
         """The deadline thread, where rounds have deadlines (balanced
@@ -184,12 +184,10 @@ class Chief(WorkerRole):
 
         return run_steps
 
-    def _stop_stalled_run(self, logdir: pathlib.Path, step: int | None,
-                          who: str) -> None:
+    def _stop_stalled_run(self, step: int | None, who: str) -> None:
         """ps 0 has not answered for --worker_timeout_secs: nothing can be
         saved or sent through it, so the last checkpoint stands. Runs on
         the membership watch's thread."""
-        del logdir
         timeout = f"{self.config.worker_timeout_secs:.0f} s"
         at = "" if step is None else f" at step {step}"
         # Even when the stop could not be sent, the ps tasks must exit.
@@ -281,40 +279,12 @@ class Chief(WorkerRole):
                                       for k in missing))
         return reports
 
-    def _write_results(self, logdir: pathlib.Path, steps_trained: int,
-                       outcome: results_lib.Outcome, counted: np.ndarray,
-                       pushed: dict, step_breakdown: dict | None,
-                       records: list) -> None:
-        """results.json. averaged_steps: the applied steps of this launch
-        whose average held each worker's gradient (ps-side, exact);
-        averaged_examples: the examples of each worker's slices in them;
-        pushed_gradients: what each worker says it pushed (stale, dropped
-        and redone ones included); membership: every roster change."""
-        config, cluster = self.config, self.task.cluster
-        results = {
-            **results_lib.results_fields(outcome, config, self.train_steps),
-            "global_step": self.train_steps,
-            "steps_this_run": steps_trained,
-            "num_workers": cluster.num_workers,
-            "num_ps": cluster.num_ps,
-            "replicas_to_aggregate": config.replicas_to_aggregate(
-                cluster.num_workers),
-            "backup_workers": config.backup_workers,
-            "dropped_gradients": outcome.dropped,
-            "min_workers": config.min_workers,
-            "slices": config.slices,
-            "averaged_steps": {str(k): int(n)
-                               for k, n in enumerate(counted[:, 0])},
-            "averaged_examples": {str(k): int(n)
-                                  for k, n in enumerate(counted[:, 1])},
-            "pushed_gradients": {"0": self.pushed,
-                                 **{str(k): v for k, v in pushed.items()}},
-            "membership": records,
-            "steps_not_averaging_the_batch_once": len(self.broken_steps),
-            "cluster": cluster.as_dict(),
-        }
-        if step_breakdown:
-            results["step_breakdown"] = step_breakdown
+    def _write_results(self, logdir: pathlib.Path,
+                       outcome: results_lib.Outcome,
+                       counts: results_lib.ChiefReport) -> None:
+        results = results_lib.ps_results(outcome, self.config,
+                                         self.train_steps, self.task.cluster,
+                                         counts)
         results_lib.write_json(logdir / RESULTS_FILE, results)
         logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
                      100 * results["final_test_accuracy"], self.train_steps,

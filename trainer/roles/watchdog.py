@@ -15,6 +15,7 @@ is then the only thing that ends it. The deadline is kept in Python: a
 RunOptions timeout did not end such a read here.
 """
 
+import contextlib
 import threading
 import time
 from typing import Callable
@@ -100,6 +101,7 @@ class Watchdog(BackgroundThread):
         self._busy = threading.Event()
         self._idle(time.monotonic())
 
+    @contextlib.contextmanager
     def busy(self, timeout_secs: float | None = None,
              timeout_flag: str | None = None):
         """Context: the step should move while inside (a training run).
@@ -108,19 +110,13 @@ class Watchdog(BackgroundThread):
         run (the chief's first step, which waits for every worker to start,
         gets --startup_timeout_secs).
         """
-        watchdog = self
-
-        class _Busy:
-            def __enter__(self):
-                watchdog._run_timeout = timeout_secs or watchdog._timeout
-                watchdog._run_flag = (timeout_flag if timeout_secs
-                                      else watchdog._flag)
-                watchdog._busy.set()
-
-            def __exit__(self, *exc):
-                watchdog._busy.clear()
-
-        return _Busy()
+        self._run_timeout = timeout_secs or self._timeout
+        self._run_flag = timeout_flag if timeout_secs else self._flag
+        self._busy.set()
+        try:
+            yield
+        finally:
+            self._busy.clear()
 
     def _idle(self, now: float) -> None:
         """Forgets the busy period: no step seen, none failing."""
