@@ -14,7 +14,11 @@ from trainer.sync import state
 from trainer.sync import transport as transport_lib
 
 SHARDS = [5, 3]
-PROBE_FREE_STEP = 7   # not a multiple of pace.PROBE_EVERY
+SOME_STEP = 7   # a step number of no significance
+# Probes come this long after a benched worker's last token: long enough
+# that none falls due by itself in a test, which makes them due with
+# set_issued_ago.
+PROBE_SECS = 600.0
 LEARNING_RATE = 0.5
 RECORDED_STEPS = 8   # the per-step record's length (SharedState.by_step)
 
@@ -50,6 +54,7 @@ class Protocol:
             turns = pull_turns.PullTurns(num_workers, devices, False)
             self.rule = averaging.Averaging(self.shared, batch, backup_workers,
                                             slices, turns)
+            self.rule.pace.probe_secs = PROBE_SECS
             transport = transport_lib.Transport(self.shared, wire_dtype)
             self.params = []
             for i, n in enumerate(SHARDS):
@@ -107,12 +112,20 @@ class Protocol:
             self.records = self.shared.take_membership()
             self.secs_in = tf.compat.v1.placeholder(tf.float32,
                                                     [num_workers])
-            # As after every worker answered a first slice (not timed).
+            # As after every worker answered a first slice (not timed),
+            # its token issued now.
             answered = tf.maximum(self.shared.issued_round.read_value(), 1)
             self.set_secs = tf.group(
                 self.shared.slice_secs.assign(self.secs_in),
                 self.shared.issued_round.assign(answered),
-                self.shared.answered.assign(answered))
+                self.shared.answered.assign(answered),
+                self.shared.issued_at.assign(
+                    tf.fill([num_workers], tf.timestamp())))
+            # Each worker's last token issued ago_in seconds ago.
+            self.ago_in = tf.compat.v1.placeholder(tf.float64,
+                                                   [num_workers])
+            self.set_issued_ago = self.shared.issued_at.assign(
+                tf.timestamp() - self.ago_in, read_value=False)
 
     def run(self, fetches, feed=None, timeout_secs=20.0):
         return self.session.run(fetches, feed, options=tf.compat.v1.RunOptions(

@@ -111,7 +111,8 @@ class Averaging:
                 slices_lib.bounds(tf.cast(members, tf.float32), batch, unit),
                 slices_lib.bounds(weight, batch, unit), weight,
                 BALANCE_GAIN)
-            probe, count_benched = self.pace.probes(step, out)
+            now = tf.timestamp()
+            probe, count_benched = self.pace.probes(now, out)
             given = tf.logical_or(members, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
                 slices_lib.weights(speed, roster, self.slices), batch,
@@ -119,7 +120,6 @@ class Averaging:
             # A read now: assign_add's value is a lazy read, which a loop
             # that captures it would repeat every iteration (from ps 0).
             round_ = tf.identity(s.round.assign_add(1))
-            now = tf.timestamp()
             with tf.control_dependencies([count_benched]):
                 writes = [s.planned.assign(members, read_value=False),
                           s.admitted.assign(tf.zeros_like(members),
@@ -185,7 +185,7 @@ class Averaging:
         # A worker (re)joining is measured afresh.
         fresh_start = tf.equal(kind, JOINED)
         timed, examples_now, secs_now = self.pace.timing(
-            kind, worker, for_round, sent_at, fresh_start)
+            kind, worker, for_round, sent_at, fresh_start, planned)
         abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
                                              round_, sent_at)
         pushed = tf.equal(kind, PUSHED)

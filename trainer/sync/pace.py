@@ -17,11 +17,13 @@ from trainer.sync.state import LATE, PUSHED, count as count_of, set_at
 SPEED_MEMORY = 0.7
 # A member whose slices take this many times as long as every other
 # member's, even with its balanced slice, sits rounds out: its fixed cost
-# per round, not its share, would hold every step. Every PROBE_EVERY
-# steps it gets a probe, a slice that is timed but not waited for. Each
-# time it is benched again (a probe made it look fast, its rounds did
-# not), its probes come twice as far apart, up to 2^MAX_BACKOFF times.
-BENCH_FACTOR, PROBE_EVERY, MAX_BACKOFF = 2.0, 20, 4
+# per round, not its share, would hold every step. PROBE_SECS after its
+# last token it gets a probe, a slice that is timed but not waited for.
+# Each time it is benched again (a probe made it look fast, its rounds did
+# not), its probes come twice as far apart, up to 2^MAX_BACKOFF times:
+# seconds, not steps, so that a worker fast again is back within a bound
+# of time however fast the steps run.
+BENCH_FACTOR, PROBE_SECS, MAX_BACKOFF = 2.0, 2.0, 2
 # A round stops waiting for a member that has not pushed LATE_FACTOR
 # times the second slowest member's recent slice time (at least
 # MIN_LATE_SECS) after the plan, if it is the only one late and two
@@ -39,6 +41,7 @@ class Pace:
         self.balanced = slices == slices_lib.BALANCED
         # With backups a round already ends without its slowest members.
         self.deadlines = self.balanced and backup_workers == 0
+        self.probe_secs = PROBE_SECS   # before the graph is built
 
     def benched(self, roster: tf.Tensor) -> tf.Tensor:
         """bool [N]: members that sit this round out (slices.benched)."""
@@ -47,16 +50,16 @@ class Pace:
         return slices_lib.benched(self.shared.slice_secs.read_value(),
                                   roster, BENCH_FACTOR)
 
-    def probes(self, step: tf.Tensor, out: tf.Tensor) -> tuple:
-        """Which benched workers (out: bool [N]) get a probe this round:
-        bool [N], and the op that counts the members benched since the
-        last plan (the plan's writes must wait for it: it reads
-        sync/planned).
+    def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
+        """Which benched workers (out: bool [N]) get a probe in a round
+        planned at `now` (ps 0's clock, float64 []): bool [N], and the op
+        that counts the members benched since the last plan (the plan's
+        writes must wait for it: it reads sync/planned).
 
-        A benched worker with no slice outstanding gets, every
-        PROBE_EVERY x 2^(times benched - 1) steps, the slice it would
-        have: its time is measured, its gradient is not waited for
-        (trainer/sync/slices.py).
+        A benched worker with no slice outstanding gets, once PROBE_SECS x
+        2^(times benched - 1) have passed since its last token, the slice
+        it would have: its time is measured, its gradient is not waited
+        for (trainer/sync/slices.py).
         """
         s = self.shared
         before = s.benched.read_value()
@@ -65,13 +68,12 @@ class Pace:
         times = before + tf.cast(newly, tf.int64)
         with tf.control_dependencies([times]):
             count = s.benched.assign(times, read_value=False)
-        every = PROBE_EVERY * tf.bitwise.left_shift(
+        wait = self.probe_secs * tf.cast(tf.bitwise.left_shift(
             tf.constant(1, tf.int64),
-            tf.clip_by_value(times - 1, 0, MAX_BACKOFF))
-        probe = tf.logical_and(tf.logical_and(out, tf.equal(
-            step % every, 0)), tf.equal(s.issued_round.read_value(),
-                                        s.answered.read_value()))
-        return probe, count
+            tf.clip_by_value(times - 1, 0, MAX_BACKOFF)), tf.float64)
+        idle = tf.equal(s.issued_round.read_value(), s.answered.read_value())
+        due = now - s.issued_at.read_value() >= wait
+        return tf.logical_and(out, tf.logical_and(idle, due)), count
 
     def set_deadline(self, step, round_, members: tf.Tensor) -> tf.Operation:
         """Asks the chief's deadline thread (trainer/roles/deadlines.py)
@@ -155,13 +157,17 @@ class Pace:
             set_at(s.benched, one, tf.where(
                 fresh_start, zero, s.benched.read_value()[worker]))]
 
-    def timing(self, kind, worker, for_round, sent_at, fresh_start
-               ) -> tuple:
+    def timing(self, kind, worker, for_round, sent_at, fresh_start,
+               planned) -> tuple:
         """A push timed from the issue of its token (a slice of this round,
         or a benched worker's probe that arrives rounds later): (timed:
         bool [], the worker's slice examples and slice time averaged with
         it: float32 []).
-        fresh_start (bool []): the worker's measures restart at 0."""
+        fresh_start (bool []): the worker's measures restart at 0.
+        planned (bool []): the worker is in this round's plan; a push from
+        outside it (a probe, or a slice a deadline left behind) replaces
+        the old measure, which is what benched the worker: averaged with
+        it, a worker fast again would need many probes to come back."""
         s = self.shared
         # A worker's first slice since it joined (answered 0) includes
         # warming up its session and graph, often 10x a later slice: kept,
@@ -172,10 +178,11 @@ class Pace:
             for_round, s.issued_round.read_value()[worker]))
         elapsed = tf.cast(sent_at - s.issued_at.read_value()[worker],
                           tf.float32)
+        memory = tf.where(planned, SPEED_MEMORY, 0.0)
 
         def averaged(old, new):
             kept = tf.where(first, old, tf.where(
-                old > 0, SPEED_MEMORY * old + (1 - SPEED_MEMORY) * new, new))
+                old > 0, memory * old + (1 - memory) * new, new))
             return tf.where(fresh_start, tf.zeros_like(old), kept)
 
         examples = averaged(s.slice_examples.read_value()[worker],

@@ -162,7 +162,7 @@ class SharedState:
         self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
                                     True)
         # How often each worker was benched since it joined:
-        # its probes come PROBE_EVERY x 2^(times - 1) steps apart.
+        # its probes come PROBE_SECS x 2^(times - 1) apart (pace.py).
         self.benched = ps_variable("sync/benched", n, tf.int64, zeros, True)
         # The round of each worker's latest push, stale or not: the
         # membership watch hears from a worker by it.
