@@ -174,10 +174,17 @@ def main(argv) -> int:
         link_rate=FLAGS.link_rate if simulated else None,
         training_cpu=(FLAGS.training_cpu if simulated
                       and FLAGS.training_cpu > 0 else None))
-    rows = runner.run_all(setup, kinds, out, FLAGS, judge, out_when,
-                          replay_command)
-    (out / "nemesis.json").write_text(json.dumps(rows, indent=2))
-    report.emit(runner.table(rows) + f"\nwrote {out / 'nemesis.json'}")
+    rows_file = out / runner.ROWS_FILE
+    try:
+        rows = runner.run_all(setup, kinds, out, FLAGS, judge, out_when,
+                              replay_command)
+    except KeyboardInterrupt:
+        # The hosts and tasks are gone already (context managers).
+        rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
+        report.emit(runner.table(rows) + f"\ninterrupted after {len(rows)} "
+                    f"of {FLAGS.schedules} schedules; wrote {rows_file}")
+        return 130
+    report.emit(runner.table(rows) + f"\nwrote {rows_file}")
     return 0 if all(r["passed"] for r in rows) else 1
 
 

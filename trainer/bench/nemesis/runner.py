@@ -6,6 +6,7 @@ loopback every schedule gets fresh free ports.
 """
 
 import contextlib
+import json
 import socket
 import time
 
@@ -15,6 +16,7 @@ from trainer.bench.nemesis import checker
 from trainer.bench.nemesis import run as run_lib
 from trainer.bench.nemesis import schedule as schedule_lib
 
+ROWS_FILE = "nemesis.json"
 HEADER = (f"{'seed':>5}  {'verdict':7}  {'difference':>10}  {'steps':>5}  "
           f"{'secs':>5}  faults / who was out when")
 
@@ -39,7 +41,9 @@ def _hosts(simulated: bool):
 
 def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
             replay_command) -> list[dict]:
-    """One row per schedule (see trainer/nemesis.py for the callables)."""
+    """One row per schedule (see trainer/nemesis.py for the callables),
+    each also written to <out>/ROWS_FILE as it is judged, so that the rows
+    of an interrupted command are kept."""
     reference = checker.checkpoint_values(run_lib.reference_logdir(
         setup, out, [], timeout=flags.run_secs))
     rows = []
@@ -68,6 +72,7 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
                    "secs": round(time.monotonic() - started, 1),
                    "codes": outcome.codes, "replay": replay_command(seed)}
             rows.append(row)
+            (out / ROWS_FILE).write_text(json.dumps(rows, indent=2))
             logging.info("schedule %d of %d:\n%s", i + 1, flags.schedules,
                          format_row(row))
     return rows
@@ -86,6 +91,8 @@ def table(rows: list[dict]) -> str:
     """The command's result: a row per schedule, the count, and the replay
     command of each failing schedule."""
     failed = [r for r in rows if not r["passed"]]
+    if not rows:
+        return "no schedule was judged"
     lines = [HEADER, *map(format_row, rows),
              f"{len(rows) - len(failed)} of {len(rows)} schedules passed; "
              f"worst difference {max(r['difference'] for r in rows):.3g}"]
