@@ -72,10 +72,15 @@ class Chief(WorkerRole):
         self.pushed = int(self.session.run(self.g.handles.round))
         self._export(logdir)
         pushed = self._collect_finished()
-        counts = results_lib.ChiefReport(
-            self.train_steps - step, counted, {0: self.pushed, **pushed},
-            watch.records, len(self.broken_steps), step_breakdown)
-        self._write_results(logdir, outcome, counts)
+        results = results_lib.ps_results(
+            outcome, self.config, self.train_steps, self.task.cluster,
+            results_lib.ChiefReport(
+                self.train_steps - step, counted, {0: self.pushed, **pushed},
+                watch.records, len(self.broken_steps), step_breakdown))
+        results_lib.write_json(logdir / RESULTS_FILE, results)
+        logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
+                     100 * results["final_test_accuracy"], self.train_steps,
+                     logdir / RESULTS_FILE)
         self._shut_down_ps()
         self.close_session()
 
@@ -278,17 +283,6 @@ class Chief(WorkerRole):
                             ", ".join(self.task.cluster.describe("worker", k)
                                       for k in missing))
         return reports
-
-    def _write_results(self, logdir: pathlib.Path,
-                       outcome: results_lib.Outcome,
-                       counts: results_lib.ChiefReport) -> None:
-        results = results_lib.ps_results(outcome, self.config,
-                                         self.train_steps, self.task.cluster,
-                                         counts)
-        results_lib.write_json(logdir / RESULTS_FILE, results)
-        logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
-                     100 * results["final_test_accuracy"], self.train_steps,
-                     logdir / RESULTS_FILE)
 
     def _shut_down_ps(self, failed: bool = False) -> None:
         """Tells every ps task to exit (with status 1 if the run failed)."""
