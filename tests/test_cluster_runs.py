@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
+from trainer.observe import summaries
 
 pytestmark = pytest.mark.cluster
 STEPS = 20
@@ -151,6 +152,15 @@ def event_tags(logdir) -> set:
     return tags
 
 
+def run_cards(logdir) -> list[str]:
+    """The text of every run/start card in logdir's event files."""
+    return [tf.make_ndarray(value.tensor).item().decode()
+            for path in logdir.glob("events.out.tfevents.*")
+            for event in tf.compat.v1.train.summary_iterator(str(path))
+            for value in event.summary.value
+            if value.tag == summaries.RUN_TEXT_TAG]
+
+
 def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
     data = helpers.real_mnist_dir()
     if data is None:
@@ -175,7 +185,11 @@ def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
     assert {"train/loss", "train/accuracy", "train/learning_rate",
             "perf/images_per_sec", "perf/step_time_ms",
             "sync/dropped_gradients", "eval/accuracy",
-            "eval/loss"} <= event_tags(logdir)
+            "eval/loss", summaries.RUN_TEXT_TAG} <= event_tags(logdir)
+    (card,) = run_cards(logdir)
+    assert "| model | `mlp` |" in card
+    assert results["cluster"]["worker"][1] in card
+    assert "| tensorflow | `" in card and "| commit | `" in card
 
 
 def pids_started(output: str) -> list[int]:

@@ -3,6 +3,7 @@ evaluates, checkpoints, summarizes and reports; at the end it tells every
 ps task to exit."""
 
 import contextlib
+import dataclasses
 import pathlib
 import time
 
@@ -13,6 +14,7 @@ import tensorflow as tf
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
 from trainer.observe import progress
+from trainer.observe import provenance
 from trainer.observe import results as results_lib
 from trainer.observe import summaries
 from trainer.observe import tracing
@@ -53,6 +55,11 @@ class Chief(WorkerRole):
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
         writer = summaries.summary_writer(str(logdir), self.g.graph)
+        summaries.write_text(writer, step, summaries.RUN_TEXT_TAG,
+                             summaries.run_card(
+                                 dataclasses.asdict(self.config),
+                                 self.task.cluster.as_dict(),
+                                 provenance.collect(), step))
         with self._membership_watch(writer) as watch, \
                 self._round_deadlines():
             self._wait_for_workers(self.config.min_workers)
