@@ -186,6 +186,12 @@ def test_mlp_on_real_mnist_reaches_97_percent(tmp_path):
             "perf/images_per_sec", "perf/step_time_ms",
             "sync/dropped_gradients", "eval/accuracy",
             "eval/loss", summaries.RUN_TEXT_TAG} <= event_tags(logdir)
+    # The launcher's status line, plain lines in a pipe.
+    statuses = [line for line in result.stdout.splitlines()
+                if line.startswith("[status] ")]
+    steps = results["global_step"]
+    assert statuses[-1].startswith(f"[status] step {steps}/{steps} (100%)")
+    assert all(" of 2 workers in: slices " in line for line in statuses)
     (card,) = run_cards(logdir)
     assert "| model | `mlp` |" in card
     assert results["cluster"]["worker"][1] in card

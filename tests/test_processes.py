@@ -120,7 +120,8 @@ def written_progress_line(caplog, monkeypatch) -> str:
     interval = progress._Interval(1000.0)
     interval.add(50, (3200, 3200 * 0.25, 3200 * 0.9375))
     with caplog.at_level(std_logging.INFO):
-        progress._log(TrainConfig(logdir="x"), None, 150, 1000, interval, 7)
+        progress._log(TrainConfig(logdir="x"), None, 150, 1000, interval, 7,
+                      [40, 43, 45, 0])
     monkeypatch.undo()
     record = caplog.records[-1]
     return "[worker0] " + absl_logging.PythonFormatter().format(record)
@@ -133,6 +134,7 @@ def test_the_progress_line_parses_back(caplog, monkeypatch):
     assert figures["loss"] == pytest.approx(0.25)
     assert figures["train_accuracy"] == pytest.approx(0.9375)
     assert figures["dropped_gradients"] == 7
+    assert figures["slices"] == [40, 43, 45, 0]
     assert figures["images_per_sec"] == pytest.approx(1600, rel=0.1)
     assert figures["step_ms"] == pytest.approx(40, rel=0.1)
     hours, minutes, secs = (int(x) for x in figures["eta"].split(":"))

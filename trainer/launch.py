@@ -17,6 +17,8 @@ from absl import logging
 
 from trainer import flags as trainer_flags
 from trainer.cluster import local as launcher
+from trainer.common import console as console_lib
+from trainer.observe import status_line
 from trainer.common.errors import UserError
 
 trainer_flags.define_local_cluster_flags()
@@ -69,11 +71,16 @@ def main(argv) -> int:
     except KeyboardInterrupt:  # while fetching MNIST: no task started yet
         logging.error("interrupted")
         return 130
-    return launcher.launch(
-        FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
-        trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
-        FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        isolated)
+    console = console_lib.Console()
+    try:
+        return launcher.launch(
+            FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
+            trainer_flags.forwarded_flags(),
+            worker_threads(FLAGS.num_workers), FLAGS.exit_grace_secs,
+            FLAGS.report, FLAGS.worker_restarts, isolated, console,
+            status_line.RunStatus(console.status))
+    finally:
+        console.close()
 
 
 def run_main():

@@ -107,15 +107,24 @@ class TaskProcess(processes.Child):
                 "peak_rss_mb": self.peak_rss_mb}
 
 
-def start_task(job: str, index: int, argv: list[str],
-               env: dict) -> TaskProcess:
+def start_task(job: str, index: int, argv: list[str], env: dict,
+               console=None, on_line=None) -> TaskProcess:
     """Starts a task in a session of its own, killed if the launcher dies,
-    its output relayed to ours as `[ps0] ...`, start-up noise left out."""
+    its output relayed to ours (or to `console`) as `[ps0] ...`, start-up
+    noise left out; each of its lines also goes to on_line(str), if
+    given."""
     task = TaskProcess.start(
         f"{job}{index}", argv, env, own_session=True, die_with_parent=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL)
-    task.relay(processes.echo_lines(task.name, skip=_NOISE))
+    echo = processes.echo_lines(task.name, skip=_NOISE, console=console)
+
+    def relay(line: bytes) -> None:
+        echo(line)
+        if on_line is not None:
+            on_line(line.decode(errors="replace"))
+
+    task.relay(relay)
     return task
 
 
@@ -166,7 +175,7 @@ def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
            worker_flags: list[str], exit_grace_secs: float,
            report: str | None = None, worker_restarts: int = 0,
-           isolated: bool = False) -> int:
+           isolated: bool = False, console=None, on_chief_line=None) -> int:
     """Runs the cluster to the end; returns the exit status of the run.
 
     Args:
@@ -175,6 +184,9 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
       worker_restarts: how often a failed worker (not the chief) is
         started again.
       isolated: isolate_network() succeeded (no security notice).
+      console: a common.console.Console for the tasks' lines, or None.
+      on_chief_line: (line) -> None, called with each of the chief's
+        lines (the status line), or None.
     """
     ports = free_ports(host, num_ps + num_workers)
     ps_hosts = ",".join(f"{host}:{p}" for p in ports[:num_ps])
@@ -183,6 +195,11 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     if not isolated:
         logging.info(SECURITY_NOTICE)
     env = processes.child_env()
+
+    def start(job, index):
+        return start_task(job, index, argv(job, index), env, console,
+                          on_chief_line if (job, index) == ("worker", 0)
+                          else None)
 
     def argv(job, index):
         return [sys.executable, "-m", "trainer.main", f"--job_name={job}",
@@ -196,9 +213,8 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
         # tasks already running.
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
-                tasks.append(start_task(job, i, argv(job, i), env))
-        restart = _Restarts(worker_restarts, lambda job, i: start_task(
-            job, i, argv(job, i), env))
+                tasks.append(start(job, i))
+        restart = _Restarts(worker_restarts, start)
         status = _supervise(tasks, exit_grace_secs, restart)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")

@@ -158,16 +158,21 @@ def interrupt_on_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def echo_lines(name: str, skip: re.Pattern | None = None) -> Callable:
-    """An on_line for Child.relay: writes each line to our stdout as
-    `[name] line`, except lines that `skip` matches. Bytes pass through
-    unchanged (no re-encoding of what a child printed)."""
+def echo_lines(name: str, skip: re.Pattern | None = None,
+               console=None) -> Callable:
+    """An on_line for Child.relay: writes each line to our stdout (or to
+    `console`, a console.Console) as `[name] line`, except lines that
+    `skip` matches. Bytes pass through unchanged (no re-encoding of what a
+    child printed)."""
     prefix = f"[{name}] ".encode()
 
     def write(line):
         data = line.encode() if isinstance(line, str) else line
         if skip is not None and skip.search(
                 data.decode(errors="replace")):
+            return
+        if console is not None:
+            console.line(prefix + data)
             return
         sys.stdout.buffer.write(prefix + data)
         sys.stdout.buffer.flush()

@@ -52,7 +52,8 @@ def steps_to_boundary(config: TrainConfig, step: int, train_steps: int) -> int:
 
 def drive(run_steps: Callable, evaluate: Callable | None,
           save: Callable | None, config: TrainConfig, step: int,
-          train_steps: int, writer) -> Outcome:
+          train_steps: int, writer,
+          slices: Callable[[], list] | None = None) -> Outcome:
     """Trains from `step` to `train_steps`.
 
     Args:
@@ -63,6 +64,8 @@ def drive(run_steps: Callable, evaluate: Callable | None,
         None where this process does not evaluate.
       save: (step) -> None writes a checkpoint, or None.
       writer: a tf.compat.v1.summary.FileWriter, or None.
+      slices: () -> each worker's examples in the latest round, for the
+        progress line, or None.
     """
     outcome = Outcome(history=[], train_secs=0.0, timed_steps=0, dropped=0)
     start_time = time.monotonic()
@@ -87,7 +90,8 @@ def drive(run_steps: Callable, evaluate: Callable | None,
             interval.add(count, out["stats"])
         if interval.steps and (step % config.log_every == 0
                                or step == train_steps):
-            _log(config, writer, step, train_steps, interval, outcome.dropped)
+            _log(config, writer, step, train_steps, interval, outcome.dropped,
+                 slices() if slices else None)
             interval = _Interval(time.monotonic())
         if evaluate and (step % config.eval_every == 0
                          or step == train_steps):
@@ -104,14 +108,16 @@ def drive(run_steps: Callable, evaluate: Callable | None,
     return outcome
 
 
-def _log(config, writer, step, train_steps, interval, dropped) -> None:
+def _log(config, writer, step, train_steps, interval, dropped,
+         slices) -> None:
     elapsed = max(time.monotonic() - interval.start_time, 1e-9)
     loss = interval.loss_sum / interval.examples
     accuracy = interval.correct / interval.examples
     images_per_sec = interval.examples / elapsed
     step_ms = 1000.0 * elapsed / interval.steps
     logging.info("%s", progress_line.format_line(
-        step, train_steps, loss, accuracy, images_per_sec, step_ms, dropped))
+        step, train_steps, loss, accuracy, images_per_sec, step_ms, dropped,
+        slices))
     write_scalars(writer, step, {
         "train/loss": loss,
         "train/accuracy": accuracy,
@@ -128,9 +134,8 @@ def _evaluate(evaluate, writer, step: int, train_secs: float) -> dict:
     out = evaluate()
     result = {"step": step, "accuracy": float(out["accuracy"]),
               "loss": float(out["loss"]), "train_secs": round(train_secs, 3)}
-    logging.info("step %d: test accuracy %.2f%%  test loss %.4f  (%.1f s)",
-                 step, 100 * result["accuracy"], result["loss"],
-                 time.monotonic() - start)
+    logging.info("%s", progress_line.format_eval_line(
+        step, result["accuracy"], result["loss"], time.monotonic() - start))
     write_scalars(writer, step, {"eval/accuracy": result["accuracy"],
                                  "eval/loss": result["loss"]})
     if writer:

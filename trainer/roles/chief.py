@@ -66,7 +66,7 @@ class Chief(WorkerRole):
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),
                 lambda at: self._save(logdir, at), self.config, step,
-                self.train_steps, writer)
+                self.train_steps, writer, slices=lambda: watch.slices)
             # Every worker, in or out, learns that training is over.
             self.session.run(ops.end_op)
             self._end_late_joiners(watch)

@@ -82,6 +82,7 @@ class MembershipWatch(BackgroundThread):
         # worker -> (its last push's round, when that changed, reported)
         self._heard, self._failing_since = {}, None
         self._logged_step, self._last = -1, time.monotonic()
+        self.slices = None       # each worker's examples in the last round
 
     def stop(self) -> None:
         super().stop()
@@ -125,6 +126,8 @@ class MembershipWatch(BackgroundThread):
                 return False
             return None
         self._failing_since = None
+        self.slices = [int(end - first) if planned else 0 for (first, end),
+                       planned in zip(state.slices, state.planned)]
         self._logged_step = self._write_slices(state, self._logged_step)
         for k in self._late(state):
             self._check_silent(k, state, self._heard, now)
