@@ -56,3 +56,12 @@ def test_on_a_terminal_the_status_stays_under_the_task_lines():
         b"[ps0] before\n\r\x1b[Kstep 1/2\r\x1b[K[worker1] during\nstep 1/2"
         b"\r\x1b[Kstep 2/2\n")
 
+
+
+def test_log_lines_written_as_text_go_above_the_status():
+    out = io.BytesIO()
+    console = Console(out, live=True)
+    console.status("step 1/2")
+    console.text_stream().write("E1126 worker1 exited with status 1\n")
+    assert out.getvalue() == (b"\r\x1b[Kstep 1/2\r\x1b[KE1126 worker1 "
+                              b"exited with status 1\nstep 1/2")

@@ -72,6 +72,9 @@ def main(argv) -> int:
         logging.error("interrupted")
         return 130
     console = console_lib.Console()
+    if console.live:  # our log lines above the status line, not on it
+        logging.get_absl_handler().python_handler.stream = (
+            console.text_stream())
     try:
         return launcher.launch(
             FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,

@@ -45,6 +45,25 @@ class Console:
                 self._out.write(f"[status] {text}\n".encode())
             self._out.flush()
 
+    @property
+    def live(self) -> bool:
+        return self._live
+
+    def text_stream(self):
+        """A text stream whose writes are lines of this console: for our
+        own log lines, which would otherwise land on the status line."""
+        console = self
+
+        class _Stream:
+            def write(self, text: str) -> None:
+                if text:
+                    console.line(text.encode())
+
+            def flush(self) -> None:
+                pass
+
+        return _Stream()
+
     def close(self) -> None:
         """Leaves the last status on the screen, ending its line."""
         with self._lock:

@@ -126,8 +126,10 @@ class MembershipWatch(BackgroundThread):
                 return False
             return None
         self._failing_since = None
-        self.slices = [int(end - first) if planned else 0 for (first, end),
-                       planned in zip(state.slices, state.planned)]
+        if state.planned.any():  # not before the first plan
+            sizes = state.slices[:, 1] - state.slices[:, 0]
+            self.slices = [int(n) if planned else 0
+                           for n, planned in zip(sizes, state.planned)]
         self._logged_step = self._write_slices(state, self._logged_step)
         for k in self._late(state):
             self._check_silent(k, state, self._heard, now)
