@@ -13,11 +13,15 @@ import os
 import pathlib
 import resource
 
+from absl import logging
 import numpy as np
 
 from trainer.cluster.spec import Cluster
 from trainer.common.config import TrainConfig
 from trainer.observe import provenance
+
+
+RESULTS_FILE = "results.json"
 
 
 @dataclasses.dataclass
@@ -100,6 +104,17 @@ def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,
         **({"step_breakdown": counts.step_breakdown}
            if counts.step_breakdown else {}),
     }
+
+
+def write_ps_results(logdir: pathlib.Path, outcome: Outcome,
+                     config: TrainConfig, train_steps: int, cluster: Cluster,
+                     report: ChiefReport) -> None:
+    """<logdir>/results.json (ps_results), and the final line."""
+    results = ps_results(outcome, config, train_steps, cluster, report)
+    path = pathlib.Path(logdir) / RESULTS_FILE
+    write_json(path, results)
+    logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
+                 100 * results["final_test_accuracy"], train_steps, path)
 
 
 def write_json(path: pathlib.Path, value: dict,

@@ -5,6 +5,8 @@ import json
 
 import tensorflow as tf
 
+from trainer.observe import provenance
+
 # The text card that identifies a run: one per (re)start of the chief.
 RUN_TEXT_TAG = "run/start"
 
@@ -39,6 +41,12 @@ def write_text(writer, step: int, tag: str, markdown: str) -> None:
         tag=tag, metadata=metadata,
         tensor=tf.make_tensor_proto(markdown, dtype=tf.string))
     writer.add_summary(tf.compat.v1.Summary(value=[value]), step)
+
+
+def write_run_card(writer, step: int, flags: dict, cluster: dict) -> None:
+    """The run/start card of this process's run (run_card), at `step`."""
+    write_text(writer, step, RUN_TEXT_TAG,
+               run_card(flags, cluster, provenance.collect(), step))
 
 
 def run_card(flags: dict, cluster: dict, provenance: dict,

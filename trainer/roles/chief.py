@@ -14,7 +14,6 @@ import tensorflow as tf
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
 from trainer.observe import progress
-from trainer.observe import provenance
 from trainer.observe import results as results_lib
 from trainer.observe import summaries
 from trainer.observe import tracing
@@ -27,7 +26,6 @@ from trainer.saving import export
 from trainer.sync import averaging
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
-RESULTS_FILE = "results.json"
 EXPORT_DIR = "export"
 
 
@@ -55,11 +53,8 @@ class Chief(WorkerRole):
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
         writer = summaries.summary_writer(str(logdir), self.g.graph)
-        summaries.write_text(writer, step, summaries.RUN_TEXT_TAG,
-                             summaries.run_card(
-                                 dataclasses.asdict(self.config),
-                                 self.task.cluster.as_dict(),
-                                 provenance.collect(), step))
+        summaries.write_run_card(writer, step, dataclasses.asdict(
+            self.config), self.task.cluster.as_dict())
         with self._membership_watch(writer) as watch, \
                 self._round_deadlines():
             self._wait_for_workers(self.config.min_workers)
@@ -79,15 +74,11 @@ class Chief(WorkerRole):
         self.pushed = int(self.session.run(self.g.handles.round))
         self._export(logdir)
         pushed = self._collect_finished()
-        results = results_lib.ps_results(
-            outcome, self.config, self.train_steps, self.task.cluster,
+        results_lib.write_ps_results(
+            logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
                 self.train_steps - step, counted, {0: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), step_breakdown))
-        results_lib.write_json(logdir / RESULTS_FILE, results)
-        logging.info("final test accuracy %.2f%% after %d steps; wrote %s",
-                     100 * results["final_test_accuracy"], self.train_steps,
-                     logdir / RESULTS_FILE)
         self._shut_down_ps()
         self.close_session()
 

@@ -130,7 +130,7 @@ class MembershipWatch(BackgroundThread):
             sizes = state.slices[:, 1] - state.slices[:, 0]
             self.slices = [int(n) if planned else 0
                            for n, planned in zip(sizes, state.planned)]
-        self._logged_step = self._write_slices(state, self._logged_step)
+            self._write_slices(state.step)
         for k in self._late(state):
             self._check_silent(k, state, self._heard, now)
         return None
@@ -170,13 +170,11 @@ class MembershipWatch(BackgroundThread):
                     (state.planned[k] and not state.admitted[k])
                     or state.last_push[k] < state.issued_round[k])]
 
-    def _write_slices(self, state: _Round, logged_step: int) -> int:
+    def _write_slices(self, step: int) -> None:
         """Each worker's slice, once per --log_every steps."""
         every = self._config.log_every
-        if self._writer is None or state.step // every == logged_step // every:
-            return logged_step
-        sizes = state.slices[:, 1] - state.slices[:, 0]
-        summaries.write_scalars(self._writer, state.step, {
-            f"membership/slice_{k}": int(size) * float(state.planned[k])
-            for k, size in enumerate(sizes)})
-        return state.step
+        if self._writer is None or step // every == self._logged_step // every:
+            return
+        summaries.write_scalars(self._writer, step, {
+            f"membership/slice_{k}": n for k, n in enumerate(self.slices)})
+        self._logged_step = step
