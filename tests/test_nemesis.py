@@ -121,6 +121,14 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     outcome.history = killed
     record[115, 2] = 0
     assert checker.rejoined(outcome, record, 10.0) == []
+    # Nor is one whose CPU came back while its link was still cut (seed
+    # 110 of the first 50-schedule run): only the cut's end is a return.
+    outcome.history = history[:2] + [
+        (t0 + 60, 60, "worker1", "starve"),
+        (t0 + 70, 70, "worker1", "end starve")] + history[2:]
+    assert [r[2] for r in checker.returns(outcome)] == ["end cut"]
+    record[115, 2] = 1
+    assert checker.rejoined(outcome, record, 10.0) == []
 
 
 @pytest.mark.hosts

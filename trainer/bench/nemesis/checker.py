@@ -14,6 +14,7 @@ Each check returns a list of problems (empty: passed):
     examples again within --worker_timeout_secs + REJOIN_SLACK_SECS.
 """
 
+import collections
 import datetime
 import json
 import pathlib
@@ -144,10 +145,12 @@ def rejoined(outcome, record: np.ndarray | None,
 
 def returns(outcome) -> list[tuple[float, str, str]]:
     """(wall time, task, what) of each worker's return: a restarted
-    process asking to be taken in, or the end of a fault on a process
-    that had asked by then (one still starting up, or dead, is not back
-    from anything)."""
+    process asking to be taken in, or the end of the last fault in effect
+    on a process that had asked by then (one still starting up, or dead,
+    is not back from anything; one whose starved CPU came back while its
+    link is still cut is not back either)."""
     found, starts, asked = [], {}, {}
+    in_effect = collections.defaultdict(collections.Counter)
     for when, _, task, what in outcome.history:
         if task in ("ps0", "worker0", "all"):
             continue
@@ -159,9 +162,13 @@ def returns(outcome) -> list[tuple[float, str, str]]:
                 found.append((asked[task], task, "restarted"))
         elif what in ("kill", "term"):
             asked[task] = None
-        elif what.startswith("end ") and asked.get(task) is not None \
-                and asked[task] <= when:
-            found.append((when, task, what))
+        elif what.startswith("end "):
+            in_effect[task][what[len("end "):]] -= 1
+            if asked.get(task) is not None and asked[task] <= when \
+                    and not +in_effect[task]:
+                found.append((when, task, what))
+        else:
+            in_effect[task][what] += 1
     return found
 
 
