@@ -49,10 +49,10 @@ def write_run_card(writer, step: int, flags: dict, cluster: dict) -> None:
                run_card(flags, cluster, provenance.collect(), step))
 
 
-def run_card(flags: dict, cluster: dict, provenance: dict,
-             step: int) -> str:
+def run_card(flags: dict, cluster: dict, origin: dict, step: int) -> str:
     """The run/start card: markdown tables of the cluster, the provenance
-    and every flag, so that a run is identified later in TensorBoard."""
+    (`origin`, provenance.collect()) and every flag, so that a run is
+    identified later in TensorBoard."""
     def table(rows: dict) -> str:
         lines = ["| name | value |", "|---|---|"]
         lines += [f"| {_cell(k)} | `{_cell(v)}` |"
@@ -63,7 +63,7 @@ def run_card(flags: dict, cluster: dict, provenance: dict,
         f"**started at global step {step}**",
         "### cluster", table({job: ", ".join(addresses) for job, addresses
                              in cluster.items()}),
-        "### provenance", table(provenance),
+        "### provenance", table(origin),
         "### flags", table(flags)])
 
 
