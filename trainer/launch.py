@@ -1,7 +1,9 @@
-"""Runs a whole cluster on this machine: `python -m trainer.launch`.
+"""Runs a whole cluster from one command: `python -m trainer.launch`.
 
 Starts --num_ps ps tasks and --num_workers workers as separate OS processes
-of `python -m trainer.main` on free loopback ports (trainer/cluster/local.py),
+of `python -m trainer.main`: on free loopback ports of this machine
+(trainer/cluster/local.py), or with --ssh_hosts on other machines over ssh
+(trainer/cluster/ssh_launcher.py, which checks every host first). It
 prefixes their output with the task's name. A failed worker other than
 the chief is left behind or started again (--worker_restarts); the chief
 or a ps failing, or Ctrl-C, stops them all. The exit status is the run's:
@@ -9,14 +11,19 @@ or a ps failing, or Ctrl-C, stops them all. The exit status is the run's:
 that failed. Every trainer flag given here is passed on.
 """
 
+import pathlib
 import signal
+import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
 from trainer import flags as trainer_flags
+from trainer import remote as remote_lib
 from trainer.cluster import local as launcher
+from trainer.cluster import ssh as ssh_lib
+from trainer.cluster import ssh_launcher
 from trainer.common import console as console_lib
 from trainer.observe import status_line
 from trainer.common.errors import UserError
@@ -36,6 +43,29 @@ flags.DEFINE_integer("worker_restarts", 0,
                      "How often a worker other than the chief that fails is "
                      "started again, so that it joins the run again; with "
                      "0 the run goes on without it.", lower_bound=0)
+
+flags.DEFINE_string(
+    "ssh_hosts", None, "Run the tasks on these machines over ssh instead of "
+    "on this one: [user@]host[=address],... or @FILE (one per line). The ps "
+    "tasks, then the workers, go on the hosts in turn; --num_workers "
+    "defaults to the hosts left after the ps tasks. Every host needs the "
+    "checkout at --remote_dir and the same Python, TensorFlow and trainer, "
+    "which is checked before anything starts.")
+flags.DEFINE_integer("base_port", 2222, "With --ssh_hosts: the first port "
+                     "of each host's tasks (then +1, +2, ...).",
+                     lower_bound=1, upper_bound=65535)
+flags.DEFINE_integer("ssh_port", None, "With --ssh_hosts: ssh's port "
+                     "(default: ssh's own, e.g. from ~/.ssh/config).")
+flags.DEFINE_string("ssh_options", "", "With --ssh_hosts: more arguments "
+                    "for ssh, e.g. \"-i ~/.ssh/cluster -o User=ml\".")
+flags.DEFINE_string("remote_dir", str(pathlib.Path(__file__).resolve()
+                                      .parents[1]),
+                    "With --ssh_hosts: the checkout on every host; the "
+                    "tasks run there, so relative paths (--logdir, "
+                    "--data_dir) are relative to it. Default: this "
+                    "checkout's path.")
+flags.DEFINE_string("remote_python", sys.executable, "With --ssh_hosts: "
+                    "the Python on every host (default: this one's path).")
 
 FLAGS = flags.FLAGS
 
@@ -62,6 +92,8 @@ def main(argv) -> int:
     # SIGINT as ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    if FLAGS.ssh_hosts:
+        return _with_console(_launch_over_ssh)
     try:
         isolated = launcher.isolate_network(FLAGS.isolate, FLAGS.host,
                                             trainer_flags.fetch_data)
@@ -71,19 +103,52 @@ def main(argv) -> int:
     except KeyboardInterrupt:  # while fetching MNIST: no task started yet
         logging.error("interrupted")
         return 130
+    return _with_console(lambda console, on_chief_line: launcher.launch(
+        FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
+        trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
+        FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
+        isolated, console, on_chief_line))
+
+
+def _with_console(run) -> int:
+    """run(console, on_chief_line) with the tasks' lines and the status
+    line on one console."""
     console = console_lib.Console()
     if console.live:  # our log lines above the status line, not on it
         logging.get_absl_handler().python_handler.stream = (
             console.text_stream())
     try:
-        return launcher.launch(
-            FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
-            trainer_flags.forwarded_flags(),
-            worker_threads(FLAGS.num_workers), FLAGS.exit_grace_secs,
-            FLAGS.report, FLAGS.worker_restarts, isolated, console,
-            status_line.RunStatus(console.status))
+        return run(console, status_line.RunStatus(console.status))
     finally:
         console.close()
+
+
+def _launch_over_ssh(console, on_chief_line) -> int:
+    text = FLAGS.ssh_hosts
+    try:
+        if text.startswith("@"):
+            text = pathlib.Path(text[1:]).read_text()
+        hosts = ssh_lib.parse_hosts(text)
+    except OSError as e:
+        logging.error("--ssh_hosts=%s: cannot read it (%s)", text,
+                      e.strerror)
+        return trainer_flags.INPUT_ERROR_STATUS
+    except UserError as e:
+        logging.error("%s", e)
+        return trainer_flags.INPUT_ERROR_STATUS
+    num_workers = (FLAGS.num_workers if FLAGS["num_workers"].present
+                   else max(1, len(hosts) - FLAGS.num_ps))
+    check = ([f"--data_dir={FLAGS.data_dir}"] if FLAGS.data_dir else []) + (
+        [] if FLAGS.download else ["--nodownload"])
+    if not FLAGS.firewall:
+        logging.info(launcher.SECURITY_NOTICE + " (or add --firewall)")
+    remote = ssh_launcher.Remote(FLAGS.remote_python, FLAGS.remote_dir,
+                                 FLAGS.ssh_port, FLAGS.ssh_options)
+    return ssh_launcher.launch(
+        hosts, FLAGS.num_ps, num_workers, FLAGS.base_port, remote,
+        remote_lib.facts([], None, True), trainer_flags.forwarded_flags(),
+        check, FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
+        console, on_chief_line)
 
 
 def run_main():

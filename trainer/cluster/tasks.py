@@ -1,0 +1,214 @@
+"""A launcher's cluster tasks as processes: started, watched, stopped.
+
+The local launcher (local.py) and the ssh launcher (ssh.py) differ only
+in how a task is started: `python -m trainer.main` here, or `ssh host
+... python -m trainer.remote run ...`. Everything after the start is
+here and is the same for both:
+
+  * a worker other than the chief that fails does not end the run: the
+    chief hands its examples to the others, and the task is started
+    again (up to --worker_restarts times) so that it joins again;
+  * the chief or a ps failing stops every task;
+  * Ctrl-C first asks the chief to save a checkpoint where it is
+    (SIGTERM, which a remote task receives as its ssh stdin closing);
+  * the exit status is the run's: 0 when the chief and the ps tasks
+    exited 0, else that of the first of them that failed.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import time
+from typing import Callable
+
+from absl import logging
+
+from trainer.common import processes
+
+# Start-up chatter of TensorFlow's C++ runtime that says nothing about the
+# run; everything else a task prints is passed through.
+NOISE = re.compile(
+    r"(failed call to cuInit|Could not find cuda drivers|oneDNN custom "
+    r"operations are on|rebuild TensorFlow with the appropriate compiler|"
+    r"This TensorFlow binary is optimized|All log messages before "
+    r"absl::InitializeLog|Unable to register cu(DNN|FFT|BLAS) factory|"
+    r"computation placer already registered|TF-TRT Warning|"
+    r"cuda_executor|cudart_stub)")
+STOP_SIGNAL_GRACE_SECS = 5.0
+_CHIEF_STOP_SECS = 30.0     # Ctrl-C: how long the chief may take to save
+CHIEF = "worker0"
+
+
+class TaskProcess(processes.Child):
+    """A cluster task (ps or worker) run as a child process of the
+    launcher (not a cluster_lib.Task, which is a task's place in the
+    cluster spec). `name` is "ps0", "worker1", ..."""
+
+    @property
+    def job(self) -> str:
+        return self.name.rstrip("0123456789")
+
+    @property
+    def index(self) -> int:
+        return int(self.name[len(self.job):])
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether it ended because its host could not be reached (only
+        a task started over ssh can tell)."""
+        return False
+
+    def report(self) -> dict:
+        return {"task": self.name, "pid": self.process.pid,
+                "exit_status": self.process.returncode,
+                "peak_rss_mb": self.peak_rss_mb}
+
+
+def relay_output(task: TaskProcess, label: str, console=None,
+                 on_line=None) -> None:
+    """Relays the task's output to ours (or to `console`) as `[label]
+    ...`, start-up noise left out; each line also goes to on_line(str),
+    if given."""
+    echo = processes.echo_lines(label, skip=NOISE, console=console)
+
+    def relay(line: bytes) -> None:
+        echo(line)
+        if on_line is not None:
+            on_line(line.decode(errors="replace"))
+
+    task.relay(relay)
+
+
+def start_local(job: str, index: int, argv: list[str], env: dict,
+                console=None, on_line=None) -> TaskProcess:
+    """Starts a task on this machine in a session of its own, killed if
+    the launcher dies, its output relayed as `[ps0] ...`."""
+    task = TaskProcess.start(
+        f"{job}{index}", argv, env, own_session=True, die_with_parent=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL)
+    relay_output(task, task.name, console, on_line)
+    return task
+
+
+Start = Callable[[str, int], TaskProcess]   # (job, index) -> started task
+
+
+def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
+        report: str | None = None, worker_restarts: int = 0) -> int:
+    """Starts every task with start(job, index), runs the cluster to the
+    end and returns the exit status of the run.
+
+    worker_restarts: how often a failed worker (not the chief) is started
+      again. report: a JSON file for each task's exit status and memory.
+    """
+    tasks: list[TaskProcess] = []
+    try:
+        # Started inside the try: a Ctrl-C between two starts stops the
+        # tasks already running.
+        for job, count in (("ps", num_ps), ("worker", num_workers)):
+            for i in range(count):
+                tasks.append(start(job, i))
+        restart = Restarts(worker_restarts, start)
+        status = _supervise(tasks, exit_grace_secs, restart)
+    except KeyboardInterrupt:
+        logging.error("interrupted: stopping every task")
+        _stop_chief_first(tasks)
+        status = 130
+    if report:
+        with open(report, "w") as f:
+            json.dump({"exit_status": status,
+                       "tasks": [t.report() for t in tasks]}, f, indent=2)
+    return status
+
+
+class Restarts:
+    """survive() for processes.supervise: a failed worker other than the
+    chief is left behind, or started again while it has restarts left."""
+
+    def __init__(self, allowed: int, start: Start):
+        self.allowed, self.start, self.used = allowed, start, {}
+        self.unreachable: set[int] = set()  # workers whose host is away
+
+    def __call__(self, task: TaskProcess, tasks: list) -> bool:
+        if task.job != "worker" or task.name == CHIEF:
+            return False
+        if task.unreachable:  # not the worker's failure: try until it's back
+            if task.index not in self.unreachable:
+                logging.warning("%s: its host cannot be reached; the run "
+                                "goes on without it, and it is started "
+                                "again once its host answers", task.name)
+            self.unreachable.add(task.index)
+            tasks.append(self.start("worker", task.index))
+            return True
+        self.unreachable.discard(task.index)
+        used = self.used.get(task.index, 0)
+        if used >= self.allowed:
+            logging.warning("%s exited with status %d; the run goes on "
+                            "without it (--worker_restarts=%d)", task.name,
+                            task.poll(), self.allowed)
+            return True
+        self.used[task.index] = used + 1
+        logging.warning("%s exited with status %d; starting it again (%d "
+                        "of --worker_restarts=%d)", task.name, task.poll(),
+                        used + 1, self.allowed)
+        tasks.append(self.start("worker", task.index))
+        return True
+
+
+def _stop_chief_first(tasks: list[TaskProcess]) -> None:
+    """Ctrl-C: SIGTERM to the chief, which saves a checkpoint at the next
+    step boundary and stops every task; whatever still runs after
+    _CHIEF_STOP_SECS is stopped as usual."""
+    chief = next((t for t in tasks if t.name == CHIEF), None)
+    if chief is not None and chief.poll() is None:
+        chief.signal(signal.SIGTERM)
+        deadline = time.monotonic() + _CHIEF_STOP_SECS
+        while (any(t.poll() is None for t in tasks)
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+    processes.stop_all(tasks, STOP_SIGNAL_GRACE_SECS)
+
+
+def _supervise(tasks: list[TaskProcess], exit_grace_secs: float,
+               restart: Restarts) -> int:
+    """Runs the tasks to their end (processes.supervise); returns the exit
+    status of the run. Once every worker is done, the ps tasks have
+    exit_grace_secs to exit before they are stopped."""
+    workers_done_at = None
+
+    def give_up() -> str | None:
+        nonlocal workers_done_at
+        workers = [t for t in tasks if t.job == "worker"]
+        if workers_done_at is None and all(t.poll() is not None
+                                           for t in workers):
+            workers_done_at = time.monotonic()
+        if (workers_done_at is not None
+                and time.monotonic() - workers_done_at > exit_grace_secs):
+            stuck = ", ".join(t.name for t in tasks if t.poll() is None)
+            return (f"{stuck} still running {exit_grace_secs:.0f} s after "
+                    "the workers finished; killing it")
+        return None
+
+    def announce(ending: processes.Ending) -> None:
+        if ending.failed:
+            logging.error("%s exited with status %d; stopping the others",
+                          ending.failed.name, ending.failed.poll())
+        else:
+            logging.error("%s", ending.reason)
+
+    ending = processes.supervise(tasks, STOP_SIGNAL_GRACE_SECS, give_up,
+                                 announce,
+                                 survive=lambda task: restart(task, tasks))
+    if ending is None:
+        for t in tasks:
+            t.join_relay(timeout=5)
+        failed = sorted({t.name for t in tasks if t.poll() != 0})
+        if failed:
+            logging.info("the chief and the ps tasks exited 0; %s failed "
+                         "during the run", ", ".join(failed))
+        else:
+            logging.info("every task exited 0")
+        return 0
+    return ending.failed.poll() if ending.failed else 1

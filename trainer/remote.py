@@ -1,0 +1,155 @@
+"""What the ssh launcher runs on each host (trainer/cluster/ssh.py).
+
+    python -m trainer.remote check --ports=2222,2223 [--data_dir=D] [--nodownload]
+    python -m trainer.remote run -- <trainer.main's flags>
+
+`check` prints one JSON line that says what this host has: the Python,
+TensorFlow and trainer versions, which of the ports are taken and which
+MNIST files are missing. It imports no TensorFlow, so it answers in well
+under a second.
+
+`run` starts `python -m trainer.main` with the flags and ties its life to
+the ssh session. ssh gives a remote command no signal when the launcher
+stops or its connection drops; what the command sees is its stdin
+closing, or, when the link is cut, nothing. So `run` reads its stdin,
+where the launcher writes a heartbeat every few seconds, and at its end
+or after SILENCE_SECS without a heartbeat sends the task SIGTERM: the chief saves a checkpoint where it
+is, any task exits within seconds. A task still running STOP_GRACE_SECS
+later is killed. The task dies with `run` too (the kernel's parent-death
+signal), and `run` exits with the task's status, which ssh passes back.
+Nothing is left on the host: no shell (the launcher's `exec`s it away),
+no file outside the remote folder.
+"""
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from trainer.common import processes
+from trainer.learning import data as data_lib
+
+STOP_GRACE_SECS = 40.0  # the chief's checkpoint on SIGTERM must fit
+SILENCE_SECS = 30.0     # the launcher writes a heartbeat every 5 s
+_PACKAGE = pathlib.Path(__file__).resolve().parent
+
+
+def trainer_version() -> str:
+    """The package's version and a digest of its source files: two hosts
+    with the same string run the same trainer code."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        digest.update(str(path.relative_to(_PACKAGE)).encode())
+        digest.update(path.read_bytes())
+    try:
+        version = importlib.metadata.version("mnist-ps-trainer")
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    return f"{version} (source {digest.hexdigest()[:12]})"
+
+
+def facts(ports: list[int], data_dir: str | None, download: bool) -> dict:
+    """What the launcher compares across hosts: {"python", "tensorflow",
+    "trainer", "ports_taken": [int], "data_missing": [file name],
+    "download": bool}."""
+    try:
+        tensorflow = importlib.metadata.version("tensorflow")
+    except importlib.metadata.PackageNotFoundError:
+        tensorflow = None
+    folder = data_lib.resolve_data_dir(data_dir)
+    return {"python": platform.python_version(), "tensorflow": tensorflow,
+            "trainer": trainer_version(),
+            "ports_taken": [p for p in ports if _taken(p)],
+            "data_dir": str(folder),
+            "data_missing": [n for n in data_lib.FILES
+                             if not (folder / n).is_file()],
+            "download": download}
+
+
+def _taken(port: int) -> bool:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("", port))
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return False
+
+
+def run(flags: list[str]) -> int:
+    """Runs trainer.main with `flags` until it exits or our stdin closes;
+    returns its exit status (128 + N if a signal N ended it)."""
+    task = processes.Child.start(
+        "task", [sys.executable, "-m", "trainer.main", *flags],
+        processes.child_env(), own_session=False, die_with_parent=True,
+        stdin=subprocess.DEVNULL)
+
+    def stop(*_):
+        # Only the main thread reaps the task (poll below): a second
+        # waiter could take its exit status away.
+        _send(task, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECS
+        while task.process.returncode is None:
+            if time.monotonic() > deadline:
+                _send(task, signal.SIGKILL)
+                return
+            time.sleep(0.1)
+
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
+        target=stop, daemon=True).start())
+    signal.signal(signal.SIGHUP, signal.getsignal(signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides
+
+    def watch_stdin():
+        fd = sys.stdin.fileno()
+        while True:
+            ready, _, _ = select.select([fd], [], [], SILENCE_SECS)
+            if not ready:  # no heartbeat: the launcher is gone or cut off
+                break
+            if not os.read(fd, 4096):  # stdin closed: stop
+                break
+        stop()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    status = task.poll(block=True)
+    return 128 - status if status < 0 else status
+
+
+def _send(task: processes.Child, signum: int) -> None:
+    if task.process.returncode is None:
+        try:
+            os.kill(task.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.remote")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check")
+    check.add_argument("--ports", default="")
+    check.add_argument("--data_dir", default=None)
+    check.add_argument("--nodownload", action="store_true")
+    commands.add_parser("run").add_argument("flags", nargs="*")
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        ports = [int(p) for p in args.ports.split(",") if p]
+        print(json.dumps(facts(ports, args.data_dir, not args.nodownload)))
+        return 0
+    return run(args.flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
