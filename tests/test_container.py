@@ -22,7 +22,7 @@ import pytest
 
 from tests import helpers
 
-pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+pytestmark = [pytest.mark.cluster]
 
 PODMAN = ["podman", "--cgroup-manager=cgroupfs"]
 RUN_FLAGS = ["--runtime", "/usr/sbin/runc", "--ulimit", "nofile=1024:1024",
