@@ -1,7 +1,7 @@
 """What the ssh launcher runs on each host (trainer/cluster/ssh.py).
 
     python -m trainer.remote check --ports=2222,2223 [--data_dir=D] [--nodownload]
-    python -m trainer.remote run -- <trainer.main's flags>
+    python -m trainer.remote run [--port=P] -- <trainer.main's flags>
 
 `check` prints one JSON line that says what this host has: the Python,
 TensorFlow and trainer versions, which of the ports are taken and which
@@ -10,15 +10,15 @@ under a second.
 
 `run` starts `python -m trainer.main` with the flags and ties its life to
 the ssh session. ssh gives a remote command no signal when the launcher
-stops or its connection drops; what the command sees is its stdin
-closing, or, when the link is cut, nothing. So `run` reads its stdin,
-where the launcher writes a heartbeat every few seconds, and at its end
-or after SILENCE_SECS without a heartbeat sends the task SIGTERM: the chief saves a checkpoint where it
-is, any task exits within seconds. A task still running STOP_GRACE_SECS
-later is killed. The task dies with `run` too (the kernel's parent-death
-signal), and `run` exits with the task's status, which ssh passes back.
-Nothing is left on the host: no shell (the launcher's `exec`s it away),
-no file outside the remote folder.
+stops or its connection drops: the command sees its stdin close, or,
+when the link is cut, nothing. So `run` reads its stdin, where the
+launcher writes a heartbeat every few seconds, and when it closes, or
+SILENCE_SECS pass without a heartbeat, sends the task SIGTERM: the chief
+saves a checkpoint where it is, any task exits within seconds. A task
+still running STOP_GRACE_SECS later is killed. The task dies with `run`
+too (the kernel's parent-death signal), and `run` exits with the task's
+status, which ssh passes back. Nothing is left on the host: no shell
+(the launcher `exec`s it away), no file outside the remote folder.
 """
 
 import argparse
@@ -41,6 +41,7 @@ from trainer.learning import data as data_lib
 
 STOP_GRACE_SECS = 40.0  # the chief's checkpoint on SIGTERM must fit
 SILENCE_SECS = 30.0     # the launcher writes a heartbeat every 5 s
+PORT_WAIT_SECS = SILENCE_SECS + STOP_GRACE_SECS + 5.0
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 
 
@@ -88,9 +89,18 @@ def _taken(port: int) -> bool:
     return False
 
 
-def run(flags: list[str]) -> int:
+def run(flags: list[str], port: int | None = None) -> int:
     """Runs trainer.main with `flags` until it exits or our stdin closes;
-    returns its exit status (128 + N if a signal N ended it)."""
+    returns its exit status (128 + N if a signal N ended it).
+
+    port: the task's; if taken, wait (at most PORT_WAIT_SECS) for it to
+    be free first. After a cut link, the launcher starts a worker again as
+    soon as ssh gets through, while the one it had started before may
+    still be on its way out (it stops SILENCE_SECS after its last
+    heartbeat).
+    """
+    if port is not None:
+        _wait_for_port(port)
     task = processes.Child.start(
         "task", [sys.executable, "-m", "trainer.main", *flags],
         processes.child_env(), own_session=False, die_with_parent=True,
@@ -127,6 +137,15 @@ def run(flags: list[str]) -> int:
     return 128 - status if status < 0 else status
 
 
+def _wait_for_port(port: int) -> None:
+    deadline = time.monotonic() + PORT_WAIT_SECS
+    if _taken(port):
+        print(f"port {port} is taken, perhaps by this task's run before a "
+              "lost connection, on its way out; waiting for it", flush=True)
+    while _taken(port) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def _send(task: processes.Child, signum: int) -> None:
     if task.process.returncode is None:
         try:
@@ -142,13 +161,15 @@ def main(argv: list[str]) -> int:
     check.add_argument("--ports", default="")
     check.add_argument("--data_dir", default=None)
     check.add_argument("--nodownload", action="store_true")
-    commands.add_parser("run").add_argument("flags", nargs="*")
+    run_parser = commands.add_parser("run")
+    run_parser.add_argument("--port", type=int, default=None)
+    run_parser.add_argument("flags", nargs="*")
     args = parser.parse_args(argv)
     if args.command == "check":
         ports = [int(p) for p in args.ports.split(",") if p]
         print(json.dumps(facts(ports, args.data_dir, not args.nodownload)))
         return 0
-    return run(args.flags)
+    return run(args.flags, args.port)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
 
     def start(job: str, index: int) -> ssh.SshTask:
         p = by_name[f"{job}{index}"]
-        argv = remote.argv(p.host, ["run", "--", f"--job_name={job}",
+        argv = remote.argv(p.host, ["run", f"--port={p.port}", "--",
+                                    f"--job_name={job}",
                                     f"--task_index={index}", *cluster,
                                     *training])
         # A worker whose host could not be reached is tried again a
