@@ -61,8 +61,9 @@ def parse_hosts(text: str) -> list[Host]:
         entry = entry.split("#", 1)[0].strip()
         if not entry:
             continue
-        destination, _, address = entry.partition("=")
-        host = Host(destination, address or destination.rpartition("@")[2])
+        destination, equals, address = entry.partition("=")
+        host = Host(destination.strip(), address.strip() if equals
+                    else destination.rpartition("@")[2])
         if not host.destination or not host.address or " " in entry:
             raise UserError(f"--ssh_hosts: bad entry {entry!r}; give "
                             "[user@]host or [user@]host=address")
