@@ -32,6 +32,21 @@ class Remote:
                             self.ssh_options, self.remote_dir)
 
 
+def _all_hosts_pass(placements: list[ssh.Placement], remote: Remote,
+                    ours: dict, check_flags: list[str]) -> bool:
+    """preflight.check_hosts over ssh; logs each host's problems."""
+    found = preflight.check_hosts(
+        placements, ours, lambda host, ports: remote.argv(
+            host, ["check", "--ports=" + ",".join(map(str, ports)),
+                   *check_flags]))
+    for line in found:
+        logging.error("%s", line)
+    if found:
+        logging.error("nothing was started: %d of %d hosts failed the "
+                      "check", len(found), len({p.host for p in placements}))
+    return not found
+
+
 def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
            base_port: int, remote: Remote, ours: dict,
            training: list[str], check_flags: list[str],
@@ -52,15 +67,7 @@ def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
     placements = ssh.place(hosts, num_ps, num_workers, base_port)
     for p in placements:
         logging.info("%s on %s at %s", p.name, p.host.destination, p.address)
-    found = preflight.check_hosts(
-        placements, ours, lambda host, ports: remote.argv(
-            host, ["check", "--ports=" + ",".join(map(str, ports)),
-                   *check_flags]))
-    if found:
-        for line in found:
-            logging.error("%s", line)
-        logging.error("nothing was started: %d of %d hosts failed the "
-                      "check", len(found), len({p.host for p in placements}))
+    if not _all_hosts_pass(placements, remote, ours, check_flags):
         return INPUT_ERROR_STATUS
     cluster = [
         "--ps_hosts=" + ",".join(p.address for p in placements
