@@ -222,9 +222,7 @@ class WorkerRole(abc.ABC):
             f"{cluster.describe('ps', 0)}, which does not answer",
             timeout_flag,
             on_return=self.join_again if rejoin_after_outage else None,
-            return_after_secs=self.config.worker_timeout_secs,
-            answers=lambda: ports.answer(cluster.ps[0], 1.0,
-                                         "--ps_hosts") == ports.OPEN)
+            return_after_secs=self.config.worker_timeout_secs)
 
     def join_again(self, outage_secs: float) -> None:
         """From the watchdog: ps 0 answers again after `outage_secs`, long

@@ -72,8 +72,7 @@ class Watchdog(BackgroundThread):
                  unreachable: str = "ps 0, which does not answer",
                  timeout_flag: str = "--worker_timeout_secs",
                  on_return: Callable[[float], None] | None = None,
-                 return_after_secs: float = 0.0,
-                 answers: Callable[[], bool] | None = None):
+                 return_after_secs: float = 0.0):
         """
         Args:
           read_progress: () -> (global step, admitted flags per worker).
@@ -88,9 +87,6 @@ class Watchdog(BackgroundThread):
             from the thread, when ps 0 answers again after at least
             return_after_secs without answering (a worker whose link came
             back joins again: trainer/roles/lifecycle.py).
-          answers: () -> whether ps 0 accepts a new connection now. While
-            reads fail, it is asked too: a yes after return_after_secs
-            counts as ps 0 answering again.
         """
         super().__init__("watchdog", CHECK_SECS, CHECK_SECS * 3)
         self._read = BoundedRead(read_progress)
@@ -102,7 +98,6 @@ class Watchdog(BackgroundThread):
         self._run_flag = timeout_flag
         self._on_timeout = on_timeout
         self._on_return, self._return_after = on_return, return_after_secs
-        self._answers = answers
         self._busy = threading.Event()
         self._idle(time.monotonic())
 
@@ -128,16 +123,6 @@ class Watchdog(BackgroundThread):
         self._last_step, self._since, self._next_warning = None, now, None
         self._failing_since = None
 
-    def _back_on_a_new_connection(self, now: float) -> bool:
-        """Whether ps 0, after return_after_secs of failed reads, accepts a
-        new connection. After a long cut, the reads' own connection can
-        stay silent well after the link is back: TCP retransmits to a peer
-        that did not answer with a doubling backoff, so the next try may
-        come many seconds later. A new connection sees the link at once."""
-        return (self._on_return is not None and self._answers is not None
-                and now - self._failing_since >= self._return_after
-                and self._answers())
-
     def run_once(self) -> bool | None:
         """One check; False once on_timeout or on_return was called."""
         now = time.monotonic()
@@ -148,9 +133,6 @@ class Watchdog(BackgroundThread):
             step, admitted = self._read()
         except Exception:  # noqa: BLE001 (any failure: no progress)
             self._failing_since = self._failing_since or now
-            if self._back_on_a_new_connection(now):
-                self._on_return(now - self._failing_since)
-                return False
             if now - self._since >= self._run_timeout:
                 self._on_timeout(self._last_step, self._unreachable)
                 return False
