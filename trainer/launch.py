@@ -33,8 +33,8 @@ trainer_flags.define_isolate_flag()
 flags.DEFINE_string("host", "localhost",
                     "Address the tasks use to reach each other.")
 flags.DEFINE_string("report", None,
-                    "Write each task's exit status and peak memory (RSS) "
-                    "to this JSON file at the end.")
+                    "Write each task's exit status and peak memory (RSS; "
+                    "not over ssh) to this JSON file at the end.")
 flags.DEFINE_float("exit_grace_secs", 30,
                    "After the workers finish, how long the ps tasks may "
                    "take to exit before they are killed.")

@@ -127,6 +127,8 @@ class SshTask(tasks.TaskProcess):
     """A task started over ssh; the local process is the ssh client, in a
     session of its own, its stdin a pipe the remote side watches."""
 
+    host_name = ""   # the ssh destination it runs on
+
     def signal(self, signum: int) -> None:
         """SIGTERM: close the task's stdin (trainer.remote then sends it
         SIGTERM); anything else goes to the ssh client, whose end closes
@@ -153,6 +155,12 @@ class SshTask(tasks.TaskProcess):
     @property
     def unreachable(self) -> bool:
         return self.poll() == SSH_FAILED
+
+    def report(self) -> dict:
+        """As a local task's, without a peak memory: the process here is
+        the ssh client, not the task."""
+        return {**super().report(), "peak_rss_mb": None,
+                "host": self.host_name}
 
 
 class Heartbeats:
@@ -186,6 +194,7 @@ def start(placement: Placement, argv: list[str], delay_secs: float = 0.0,
     task = SshTask.start(placement.name, argv, None, own_session=True,
                          die_with_parent=True, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+    task.host_name = placement.host.destination
     tasks.relay_output(task, f"{placement.host.name} {placement.name}",
                        console, on_line)
     logging.debug("%s: %s", placement.name, shlex.join(argv))
