@@ -149,6 +149,7 @@ def test_three_hosts_train_to_the_end_like_the_local_launcher(
         assert f"[{hosts.address(WORKERS[k])} {name}]" in run.output
     tasks = json.loads(report.read_text())["tasks"]
     assert [t["exit_status"] for t in tasks] == [0, 0, 0], tasks
+    assert [t["host"] for t in tasks] == [hosts.address(n) for n in WORKERS]
     assert "[status] step 200/200" in run.output
     difference = max_relative_difference(final_parameters(local),
                                          final_parameters(logdir))
