@@ -122,6 +122,9 @@ def test_bad_seeds_or_replot_folder_is_one_line(tmp_path, args, phrase):
     assert "Traceback" not in result.stdout
 
 
+# With --runslow only (CI's time); the spread, the columns, provenance
+# and the bad --seeds and --replot values are unit-tested above.
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_seeds_async_variants_provenance_and_replot(tmp_path):
     """Two seeds of ps and async_split with two workers; then --replot of

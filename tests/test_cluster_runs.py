@@ -109,6 +109,11 @@ def test_deterministic_runs_have_the_same_bits_for_any_shape(tmp_path,
         assert not differ, f"{workers} workers, {num_ps} ps: {differ}"
 
 
+# With --runslow only (CI's time): two ps tasks are exact, bit for bit, in
+# test_deterministic_runs_have_the_same_bits_for_any_shape, and a
+# checkpoint read back on other shard counts in tests/test_params.py
+# (test_checkpoint_uses_parameter_names_and_fits_other_shard_counts).
+@pytest.mark.slow
 def test_two_ps_tasks_and_a_resume_on_another_shape(tmp_path, fake_data):
     common = ("--model=mlp", "--optimizer=sgd", "--learning_rate=0.1",
               "--lr_schedule=constant", "--batch_size=64", "--seed=3",
