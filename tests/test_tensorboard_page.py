@@ -37,9 +37,11 @@ def test_the_page_shows_every_card_the_docs_name(tmp_path):
     browser.find_chromium()
     data = helpers.fake_mnist(tmp_path / "data")
     logdir = tmp_path / "run"
+    # --min_workers: both workers in from the first step, or the short run
+    # may end before worker 1 joins, with no membership/slice_1 to show.
     result = helpers.launch(logdir, data, WORKERS, "--model=mlp",
                             "--train_steps=30", "--log_every=10",
-                            "--eval_every=10")
+                            "--eval_every=10", f"--min_workers={WORKERS}")
     assert result.returncode == 0, result.stdout[-3000:]
     cards = cards_in_docs()
     scalars = [c for c in cards if c != "run/start"]
