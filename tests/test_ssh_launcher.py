@@ -196,7 +196,7 @@ def occupy(host, port: int) -> subprocess.Popen:
     ("oldtf", r"host 198\.18\.0\.\d+: TensorFlow 2\.0\.0, here 2\.\d+"),
     ("port", r"host 198\.18\.0\.\d+: port 2222 \(for ps0\) is taken; stop "
              r"what holds it or choose another --base_port"),
-])
+], ids=["unreachable", "other-tensorflow", "port-taken"])
 def test_a_bad_host_is_named_and_nothing_starts(hosts, data, tmp_path, bad,
                                                 expected):
     names = (["h1", "h2", bad] if bad != "port" else list(WORKERS))
