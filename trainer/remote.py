@@ -36,6 +36,8 @@ import sys
 import threading
 import time
 
+from absl import logging
+
 from trainer.common import processes
 from trainer.learning import data as data_lib
 
@@ -140,8 +142,9 @@ def run(flags: list[str], port: int | None = None) -> int:
 def _wait_for_port(port: int) -> None:
     deadline = time.monotonic() + PORT_WAIT_SECS
     if _taken(port):
-        print(f"port {port} is taken, perhaps by this task's run before a "
-              "lost connection, on its way out; waiting for it", flush=True)
+        logging.warning("port %d is taken, perhaps by this task's run "
+                        "before a lost connection, on its way out; waiting "
+                        "for it", port)
     while _taken(port) and time.monotonic() < deadline:
         time.sleep(0.5)
 
@@ -167,7 +170,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "check":
         ports = [int(p) for p in args.ports.split(",") if p]
-        print(json.dumps(facts(ports, args.data_dir, not args.nodownload)))
+        # The one line the launcher reads (preflight.py).
+        sys.stdout.write(json.dumps(facts(ports, args.data_dir,
+                                          not args.nodownload)) + "\n")
         return 0
     return run(args.flags, args.port)
 
