@@ -49,6 +49,9 @@ def benchmark(out, data, *flags) -> dict:
             json.loads((out / "results.json").read_text())["rows"]}
 
 
+# With --runslow only (CI's time): the peers run on loopback in
+# tests/test_benchmark.py, and simulated hosts in tests/test_hosts.py.
+@pytest.mark.slow
 def test_mwms_and_colocated_ps_on_hosts(available, data, tmp_path):
     rows = benchmark(tmp_path / "bench", data, "--workers=2", "--num_ps=2",
                      "--ps_placement=colocated", "--baselines=mwms")
