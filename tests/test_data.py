@@ -252,6 +252,26 @@ def test_worker_slices_partition_each_global_batch():
     assert not np.array_equal(epoch0, epoch1)  # reshuffled
 
 
+def test_a_new_session_on_the_same_server_keeps_the_training_set():
+    """A worker that reconnects opens a new session on its own server,
+    where the training set already is: it is not copied again."""
+    server = tf.distribute.Server.create_local_server()
+    images = np.arange(100, dtype=np.uint8)[:, None, None] * np.ones(
+        (1, 28, 28), np.uint8)
+    labels = (np.arange(100) % 10).astype(np.uint8)
+    with tf.Graph().as_default() as g:
+        with tf.device("/job:localhost/replica:0/task:0/cpu:0"):
+            trainset = batches.InGraphTrainSet(100, 3, 10, (0, 10))
+            x, y = trainset.batch(tf.constant(4, tf.int64))
+    seen = []
+    for fed in (images, images * 0):  # the second feed must be ignored
+        with tf.compat.v1.Session(server.target, graph=g) as session:
+            trainset.initialize(session, fed, labels)
+            seen.append(session.run(x))
+    np.testing.assert_array_equal(seen[0], seen[1])
+    assert seen[0].max() > 0
+
+
 def test_dropout_noise_is_the_same_however_the_batch_is_split():
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
         step = tf.constant(5, tf.int64)

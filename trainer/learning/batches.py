@@ -73,8 +73,15 @@ class InGraphTrainSet:
                                       tf.zeros([num_examples], tf.int32))
         self._order_epoch = local_variable("epoch_of_order",
                                             tf.constant(-1, tf.int64))
+        self._loaded = tf.compat.v1.is_variable_initialized(self._labels)
 
     def initialize(self, session, images: np.ndarray, labels: np.ndarray):
+        """Fills the variables, unless an earlier session of this process
+        did: they live on this worker's own server, which outlives a
+        session, so a worker that reconnects (a ps lost, a link cut)
+        does not copy the training set again."""
+        if session.run(self._loaded):
+            return
         session.run(
             [v.initializer for v in (self._images, self._labels, self._order,
                                      self._order_epoch)],
