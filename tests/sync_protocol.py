@@ -91,7 +91,7 @@ class Protocol:
 
     def _chief_ops(self, device, num_workers):
         with tf.device(device):
-            self.planned = self.rule.plan(self.step_in)
+            _, self.planned = self.rule.plan(self.step_in)
             self.verdict = self.rule.admit(self.step_in, self.round_in)
             rows = tf.where(self.shared.admitted.read_value())[:, 0]
             mean, self.step_stats = self.rule.average(rows)

@@ -54,4 +54,6 @@ def test_the_watch_checks_a_benched_worker_with_a_slice_outstanding():
         issued_round=np.int64([12, 12, 11, 10, 5]))
     # 1: planned, not pushed; 2: benched, its slice of round 11 out;
     # 3: benched, answered; 4: not in the roster.
-    assert membership.MembershipWatch._late(state_now) == [1, 2]
+    assert membership.late(state_now, chief=0) == [1, 2]
+    # Worker 2 as the chief (it took over): never its own late member.
+    assert membership.late(state_now, chief=2) == [1]

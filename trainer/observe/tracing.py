@@ -17,15 +17,17 @@ from trainer.cluster import devices
 from trainer.observe import timeline
 
 
-def traced_run(session, fetches: dict, feeds: list):
+def traced_run(session, fetches: dict, feeds: list, fixed=None):
     """(start, count, run_metadata) -> outputs: session.run with the full
-    trace. (A distributed session returns no step stats for callables made
-    with trace options, so traced steps go through session.run.)"""
+    trace, feeding start and count to `feeds` and `fixed` (a feed dict)
+    as it is. (A distributed session returns no step stats for callables
+    made with trace options, so traced steps go through session.run.)"""
     options = tf.compat.v1.RunOptions(
         trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
 
     def run(start: int, count: int, run_metadata) -> dict:
-        return session.run(fetches, dict(zip(feeds, (start, count))),
+        return session.run(fetches, {**dict(zip(feeds, (start, count))),
+                                     **(fixed or {})},
                            options=options, run_metadata=run_metadata)
 
     return run

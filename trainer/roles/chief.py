@@ -19,20 +19,24 @@ from trainer.observe import summaries
 from trainer.observe import tracing
 from trainer.roles import deadlines
 from trainer.roles import membership
+from trainer.roles import takeover
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
 from trainer.saving import checkpoints
 from trainer.saving import export
-from trainer.sync import averaging
+from trainer.sync import step_record
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 EXPORT_DIR = "export"
 
 
 class Chief(WorkerRole):
+    """The chief's side, in worker 0 or in a worker that took over the
+    chief's work (`taking_over`: why, for the log)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, taking_over: str | None = None, **kwargs):
+        super().__init__(*args, as_chief=True, **kwargs)
+        self.taking_over = taking_over
         # sync/contributions lives on ps 0 and restarts from zero whenever
         # the chief restores a checkpoint. What it had counted up to each
         # checkpoint this process saved is kept here, so that the counts
@@ -41,14 +45,15 @@ class Chief(WorkerRole):
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
         self.halt_reason = None       # why training ends early (halt)
+        self._first_round = 0         # the round counter at our start
+        self._gone = None             # the chief we took over from
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
         ops = self.g.chief
         logdir = pathlib.Path(self.config.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        step = self._initialize_or_restore(logdir)
-        self.session.run(ops.start_op)
+        step = self._claim_and_start(logdir)
         self.session.run(ops.mark_ready_op)
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
@@ -56,7 +61,8 @@ class Chief(WorkerRole):
         summaries.write_run_card(writer, step, dataclasses.asdict(
             self.config), self.task.cluster.as_dict())
         with self._membership_watch(writer) as watch, \
-                self._round_deadlines():
+                self._round_deadlines(), takeover.ChiefBeat(
+                    lambda: self.session.run(ops.lock.beat)):
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),
@@ -71,13 +77,14 @@ class Chief(WorkerRole):
         counted = self._counted_before + self.session.run(ops.contributions)
         self._check_steps(logdir, self.session.run(ops.by_step), step)
         # The chief pushes once per round: its rounds of this launch.
-        self.pushed = int(self.session.run(self.g.handles.round))
+        self.pushed = int(self.session.run(self.g.handles.round)) - (
+            self._first_round)
         self._export(logdir)
         pushed = self._collect_finished()
         results_lib.write_ps_results(
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
-                self.train_steps - step, counted, {0: self.pushed, **pushed},
+                self.train_steps - step, counted, {self.k: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), step_breakdown))
         self._shut_down_ps()
         self.close_session()
@@ -94,7 +101,7 @@ class Chief(WorkerRole):
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
             self.task.cluster, self.config, writer,
-            on_unreachable=self._stop_stalled_run)
+            on_unreachable=self._stop_stalled_run, chief=self.k)
 
     def _round_deadlines(self):
         """The deadline thread, where rounds have deadlines (balanced
@@ -111,7 +118,7 @@ class Chief(WorkerRole):
         timeout, members = self.config.startup_timeout_secs, [0]
 
         def ready() -> bool:
-            members[0] = int(self.session.run(self.g.chief.absorb_op).sum())
+            members[0] = int(self._absorb().sum())
             return members[0] >= count or bool(self.halt_reason)
 
         poll_until(
@@ -122,16 +129,22 @@ class Chief(WorkerRole):
                     f" joined within {timeout:.0f} s (--startup_timeout_secs)"
                     "; start the others or lower --min_workers")
 
+    def _absorb(self):
+        """Acts on the queued events now; the roster after (bool [N])."""
+        ops = self.g.chief
+        return self.session.run(ops.absorb_op, {ops.epoch: self.epoch})
+
     def _end_late_joiners(self, watch) -> None:
         """Declared workers that never joined (a short run can end before
         they are up) get up to FINISH_WAIT_SECS to join, and are then
         handed the end at once, so that they exit like the others."""
         ops, workers = self.g.chief, self.task.cluster.num_workers
         joined = {r["worker"] for r in watch.records}
-        never = {k for k in range(1, workers) if k not in joined}
+        never = {k for k in range(workers)
+                 if k not in joined and k not in (self.k, self._gone)}
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while never and time.monotonic() < deadline:
-            roster = self.session.run(ops.absorb_op)
+            roster = self._absorb()
             came = {k for k in never if roster[k]}
             if came:
                 self.session.run(ops.end_op)
@@ -170,6 +183,7 @@ class Chief(WorkerRole):
                     self.last_progress = time.monotonic()
                     return out
                 start = int(out["next_token"][0])
+            self._check_still_chief(start)
             members = int(self.session.run(self.g.chief.roster).sum())
             reason = self.halt_reason or (
                 f"{members} worker(s) left, fewer than --min_workers="
@@ -187,14 +201,29 @@ class Chief(WorkerRole):
 
         return run_steps
 
+    def _check_still_chief(self, step: int) -> None:
+        """Raises RunFailed if another worker claimed the chief's role
+        (this one was cut off, frozen or starved meanwhile): its loop
+        applied nothing since (trainer/sync/chief_lock.py)."""
+        epoch, index, _ = self.session.run(self.g.chief.lock.recorded)
+        if epoch != self.epoch:
+            raise RunFailed(
+                f"{self.task.cluster.describe('worker', int(index))} took "
+                f"over the chief's work while this chief was out of reach "
+                f"(at step {step} here); exiting: start this task again to "
+                "join the run as a worker")
+
     def _stop_stalled_run(self, step: int | None, who: str) -> None:
         """ps 0 has not answered for --worker_timeout_secs: nothing can be
         saved or sent through it, so the last checkpoint stands. Runs on
         the membership watch's thread."""
         timeout = f"{self.config.worker_timeout_secs:.0f} s"
         at = "" if step is None else f" at step {step}"
-        # Even when the stop could not be sent, the ps tasks must exit.
-        self._shut_down_ps(failed=True)
+        # Alone, nothing can go on without this chief: even when the stop
+        # cannot be sent, the ps tasks must exit. With other workers, one
+        # of them takes over the chief's work (trainer/roles/takeover.py).
+        if self.task.cluster.num_workers == 1:
+            self._shut_down_ps(failed=True)
         self.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
                      "stopped; start every task again with the same flags "
                      "to continue from the last checkpoint")
@@ -209,6 +238,38 @@ class Chief(WorkerRole):
             except tf.errors.OpError as e:
                 logging.warning("could not save or stop cleanly: %s",
                                 error_summary(e))
+
+    def _claim_and_start(self, logdir: pathlib.Path) -> int:
+        """Claims the chief's role (trainer/sync/chief_lock.py), takes
+        the state on the ps tasks as it is if taking over, else
+        initializes or restores; then asks every worker in. Returns the
+        global step training starts from."""
+        ops = self.g.chief
+        if self.taking_over:  # not waited for at the end (it is gone)
+            self._gone = int(self.session.run(ops.lock.recorded)[1])
+        self.epoch, lost = takeover.claim(
+            self.session, ops.lock, self.k, self.config.worker_timeout_secs)
+        if self.taking_over and not lost:
+            # No restore: the ps tasks hold every step applied, and the
+            # protocol's counts and records of this run go on.
+            step = int(self.session.run(self.g.handles.global_step))
+            # results.json counts this chief's steps only.
+            self._counted_before = -self.session.run(ops.contributions)
+            self._first_round = int(self.session.run(self.g.handles.round))
+            logging.warning(
+                "%s took over the chief's work at step %d (%s)",
+                self.task.cluster.describe("worker", self.k), step,
+                self.taking_over)
+        else:
+            if lost:
+                logging.warning("the last chief was lost inside a write to "
+                                "the ps tasks; restoring the newest "
+                                "checkpoint")
+            step = self._initialize_or_restore(logdir)
+        # A later reconnect (a ps lost) restores, as worker 0's chief does.
+        self.taking_over = None
+        self.session.run(ops.start_op)
+        return step
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         ops = self.g.chief
@@ -235,11 +296,11 @@ class Chief(WorkerRole):
     def _check_steps(self, logdir: pathlib.Path, by_step: np.ndarray,
                      first: int) -> None:
         """Writes what each step of this launch averaged (by_step: int32
-        [steps, 1 + N], averaging.record_step) to averaged_by_step.npy,
+        [steps, 1 + N], step_record.record_step) to averaged_by_step.npy,
         and logs every step whose average missed an example or held one
         twice (with --backup_workers, by design)."""
-        np.save(logdir / averaging.RECORD_FILE, by_step)
-        self.broken_steps = averaging.steps_not_once(
+        np.save(logdir / step_record.RECORD_FILE, by_step)
+        self.broken_steps = step_record.steps_not_once(
             by_step, self.config.batch_size, first, self.train_steps)
         if self.broken_steps and not self.config.backup_workers:
             logging.error(
@@ -267,7 +328,7 @@ class Chief(WorkerRole):
         """The gradients the other workers say they pushed, reported as
         they finish; waits only for those still in the roster."""
         roster = self.session.run(self.g.chief.roster)
-        expected = {k for k in range(1, len(roster)) if roster[k]}
+        expected = {k for k in range(len(roster)) if roster[k] and k != self.k}
         reports = {}
         deadline = time.monotonic() + FINISH_WAIT_SECS
         while not expected <= reports.keys() and time.monotonic() < deadline:

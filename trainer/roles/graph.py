@@ -22,6 +22,7 @@ from trainer.roles import step as step_lib
 from trainer.learning import optim
 from trainer.saving.checkpoints import checkpoint_saver
 from trainer.sync import averaging
+from trainer.sync import chief_lock
 from trainer.sync import coordination
 from trainer.sync import pull_turns as pull_turns_lib
 from trainer.sync import state as state_lib
@@ -54,6 +55,7 @@ class WorkerHandles:
     leave_op: tf.Operation        # tells the chief we leave (SIGTERM)
     tokens_waiting: tf.Tensor     # int32 []: tokens in our queue
     in_roster: tf.Tensor          # bool []: the chief counts us in
+    roster: tf.Tensor             # bool [N]: who is in
     next_token: tf.Tensor         # int64 [4]: waits for one
     pushed_in: tf.Tensor          # feed int64 []: gradients we pushed
     finish_op: tf.Operation       # reports pushed_in to the chief
@@ -82,6 +84,8 @@ class ChiefOps:
     halt_op: tf.Tensor                # ends the loop at a step boundary;
                                       # int64 []: the global step then
     end_op: tf.Operation              # the final step to every worker
+    epoch: tf.Tensor                  # feed int64 []: this chief's epoch
+    lock: chief_lock.ChiefLock        # claimed at start, beaten by the watch
     saver: tf.compat.v1.train.Saver
     checkpoint_shapes: dict           # checkpoint key -> shape
     eval_outputs: dict                # {"loss", "accuracy"}: float32 []
@@ -110,12 +114,17 @@ class WorkerGraph:
     loop_outputs: dict        # fetch: steps done, next token, stats sums
     handles: WorkerHandles
     chief: ChiefOps | None
+    lock: chief_lock.ChiefLock
 
 
 def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
-                 num_test_examples: int, train_steps: int) -> WorkerGraph:
-    """Builds the graph of worker `task.task_index`."""
+                 num_test_examples: int, train_steps: int,
+                 as_chief: bool | None = None) -> WorkerGraph:
+    """Builds the graph of worker `task.task_index`: the chief's (the
+    default for worker 0; any worker that takes over the chief's work),
+    or another worker's."""
     cluster, k = task.cluster, task.task_index
+    as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
     with graph.as_default():
         layout = params_lib.plan_shards(replica_lib.model_specs(config),
@@ -130,7 +139,12 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             turns = pull_turns_lib.PullTurns(
                 cluster.num_workers, shard_devices, config.ordered_pulls)
             coord = coordination.RunCoordination(
-                shared, turns, fingerprint(config, task, train_steps))
+                shared, turns, fingerprint(config, task, train_steps),
+                chief=k if as_chief else 0)
+            lock = chief_lock.ChiefLock(shard_devices[0])
+            with tf.device(shard_devices[0]):
+                epoch = tf.compat.v1.placeholder_with_default(
+                    tf.constant(-1, tf.int64), [], "chief_epoch")
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
@@ -142,24 +156,25 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 config, k, flat, shared,
                 transport_lib.Transport(shared, config.wire_dtype), turns,
                 trainset)
-            if task.is_chief:
+            if as_chief:
                 rule = averaging.Averaging(shared, config.batch_size,
                                            config.backup_workers,
                                            config.slices, turns,
-                                           config.micro_batch_rows())
+                                           config.micro_batch_rows(),
+                                           chief=k, lock=lock, epoch=epoch)
                 update = optim.ScheduledUpdate(config, train_steps)
                 step_body = step_lib.ChiefStep(parts, rule, update)
             else:
                 step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
                 shared, step_body, start_token, num_steps, train_steps,
-                task.is_chief, config.min_workers)
+                as_chief, config.min_workers, lambda: lock.current(epoch))
             chief = (_chief_ops(config, cluster.num_ps, flat, rule, coord,
                                 update.optimizer, num_test_examples)
-                     if task.is_chief else None)
+                     if as_chief else None)
             g = WorkerGraph(graph, shared, coord, flat, trainset, start_token,
                             num_steps, loop_outputs,
-                            _worker_handles(shared, coord, k), chief)
+                            _worker_handles(shared, coord, k), chief, lock)
         graph.finalize()
     return g
 
@@ -180,6 +195,7 @@ def _worker_handles(shared: state_lib.SharedState,
             join_op=coord.join_op(k), leave_op=coord.leave_op(k),
             tokens_waiting=coord.tokens_waiting(k),
             in_roster=shared.roster.read_value()[k],
+            roster=shared.roster.read_value(),
             next_token=shared.next_token(k),
             pushed_in=pushed_in,
             finish_op=coord.report_finished(k, pushed_in))
@@ -211,6 +227,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     eval_outputs, testset_init = replica_lib.evaluation(
         config, flat, values, num_test_examples)
     return ChiefOps(
+        epoch=rule.epoch, lock=rule.lock,
         init_op=init_op,
         transient_init_op=tf.compat.v1.variables_initializer(
             state_lib.transient_variables()),

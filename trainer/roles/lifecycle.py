@@ -17,6 +17,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
+from trainer.roles import takeover
 from trainer.roles import watchdog as watchdog_lib
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
@@ -48,7 +49,7 @@ class WorkerRole(abc.ABC):
     """
 
     def __init__(self, config: TrainConfig, task: Task, server,
-                 mnist: Mnist):
+                 mnist: Mnist, as_chief: bool = False):
         self.config, self.task, self.server = config, task, server
         self.mnist = mnist
         self.k = task.task_index
@@ -62,11 +63,13 @@ class WorkerRole(abc.ABC):
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
         self.at_step = None
+        self.epoch = None          # the chief's epoch, once claimed
+        self._taking_over = None   # why this worker takes over the chief
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         self.g = worker_graph.build_worker(
             config, task, len(mnist.train_labels),
-            max(len(mnist.test_labels), 1), self.train_steps)
+            max(len(mnist.test_labels), 1), self.train_steps, as_chief)
 
     @abc.abstractmethod
     def run_connected(self) -> None:
@@ -131,6 +134,8 @@ class WorkerRole(abc.ABC):
         with self._lock:
             reason, outage = self._stop_reason, self._outage_secs
             self._outage_secs = None
+        if self._taking_over:  # the chief watch closed the session
+            raise takeover.TakeOver(self._taking_over) from None
         if reason:  # the watchdog closed the session
             raise RunFailed(reason) from None
         if outage is not None:  # closed by the watchdog: join again
@@ -181,13 +186,18 @@ class WorkerRole(abc.ABC):
         With --trace_steps=A:B, runs of steps that cross [A, B) are split
         so that each step in it runs alone, traced (see trainer/observe/tracing.py).
         """
-        feeds = [self.g.start_token, self.g.num_steps]
+        feeds, fixed = [self.g.start_token, self.g.num_steps], {}
+        if self.g.chief:  # the chief's loop writes only in its epoch
+            feeds.append(self.g.chief.epoch)
+            fixed = {self.g.chief.epoch: self.epoch}
         loop = self.callable(self.g.loop_outputs, feeds)
+        if fixed:
+            loop = _with_epoch(loop, self.epoch)
         if self.config.trace_range() is None:
             return loop
         return tracing.split_loop(
             loop, tracing.traced_run(self.session, self.g.loop_outputs,
-                                     feeds),
+                                     feeds[:2], fixed),
             self.config.trace_range(), self.traces)
 
     def watchdog(self, timeout_secs: float, on_timeout,
@@ -234,6 +244,13 @@ class WorkerRole(abc.ABC):
             self._outage_secs = outage_secs
         self.close_session()
 
+    def take_over(self, reason: str) -> None:
+        """From the chief watch: end the blocked run; run() then raises
+        TakeOver, and this process starts the chief's side."""
+        with self._lock:
+            self._taking_over = reason
+        self.close_session()
+
     def give_up(self, reason: str) -> None:
         """From the watchdog: end the blocked session.run with a reason."""
         logging.info("the watchdog ends the blocked training run")
@@ -255,6 +272,10 @@ class WorkerRole(abc.ABC):
                       "exiting", reason, CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
+
+
+def _with_epoch(run, epoch: int):
+    return lambda token, count: run(token, count, epoch)
 
 
 def _close_quietly(session) -> None:

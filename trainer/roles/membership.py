@@ -60,7 +60,8 @@ class MembershipWatch(BackgroundThread):
     def __init__(self, read: Callable, take_records: Callable,
                  report_lost: Callable[[int], None], cluster,
                  config, writer,
-                 on_unreachable: Callable[[int | None, str], None]):
+                 on_unreachable: Callable[[int | None, str], None],
+                 chief: int = 0):
         """
         Args:
           read: () -> dict of step, round, planned, admitted, roster,
@@ -71,12 +72,14 @@ class MembershipWatch(BackgroundThread):
           cluster: the ClusterSpec (names workers in the log).
           config: the TrainConfig (timeouts, min_workers, log_every).
           writer: a FileWriter for membership scalars, or None.
+          chief: the chief's worker index (never reported lost).
         """
         super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
         self._read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
+        self._chief = chief
         self.records = []        # {"step", "event", "worker", "workers"}
         self.reasons = {}        # worker -> why we reported it lost
         # worker -> (its last push's round, when that changed, reported)
@@ -131,7 +134,7 @@ class MembershipWatch(BackgroundThread):
             self.slices = [int(n) if planned else 0
                            for n, planned in zip(sizes, state.planned)]
             self._write_slices(state.step)
-        for k in self._late(state):
+        for k in late(state, self._chief):
             self._check_silent(k, state, self._heard, now)
         return None
 
@@ -158,18 +161,6 @@ class MembershipWatch(BackgroundThread):
         heard[k] = (pushed, since, True)
         self._report_lost(k)
 
-    @staticmethod
-    def _late(state: _Round) -> list[int]:
-        """Workers in the roster (not the chief) with a slice outstanding:
-        members of the round that have not pushed, and any other given a
-        token since its last push (a benched worker's probe, or a member a
-        round's deadline left behind: it sits rounds out, so only this
-        finds it if it died)."""
-        return [k for k in range(1, len(state.planned))
-                if state.roster[k] and (
-                    (state.planned[k] and not state.admitted[k])
-                    or state.last_push[k] < state.issued_round[k])]
-
     def _write_slices(self, step: int) -> None:
         """Each worker's slice, once per --log_every steps."""
         every = self._config.log_every
@@ -178,3 +169,15 @@ class MembershipWatch(BackgroundThread):
         summaries.write_scalars(self._writer, step, {
             f"membership/slice_{k}": n for k, n in enumerate(self.slices)})
         self._logged_step = step
+
+
+def late(state: _Round, chief: int) -> list[int]:
+    """Workers in the roster (not `chief`) with a slice outstanding:
+    members of the round that have not pushed, and any other given a
+    token since its last push (a benched worker's probe, or a member a
+    round's deadline left behind: it sits rounds out, so only this
+    finds it if it died)."""
+    return [k for k in range(len(state.planned))
+            if k != chief and state.roster[k] and (
+                (state.planned[k] and not state.admitted[k])
+                or state.last_push[k] < state.issued_round[k])]

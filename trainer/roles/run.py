@@ -17,6 +17,7 @@ from trainer.learning import data as data_lib
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles import ps
+from trainer.roles import takeover
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
@@ -46,10 +47,38 @@ def run(config: TrainConfig, task: Task) -> None:
         checkpoints.check_logdir_fits_model(config)
     logging.info("data: %d training and %d test images from %s",
                  len(mnist.train_labels), len(mnist.test_labels), data_dir)
-    role = (Chief if task.is_chief else Worker)(
-        config, task, start_server(config, task), mnist)
+    server = start_server(config, task)
+    as_chief = task.is_chief and not _another_chief(config, task, server)
+    role = (Chief if as_chief else Worker)(config, task, server, mnist)
     _running.append(role)
-    role.run()
+    try:
+        role.run()
+    except takeover.TakeOver as e:
+        _take_over(config, task, server, data_dir, e.reason)
+
+
+def _another_chief(config: TrainConfig, task: Task, server) -> bool:
+    """Whether another worker does the chief's work now (worker 0 started
+    again after a worker took over): then worker 0 joins as a worker."""
+    index = takeover.acting_chief(server.target, task, config)
+    if index is None or index == task.task_index:
+        return False
+    logging.warning("%s does the chief's work; this task joins the run as "
+                    "a worker", task.cluster.describe("worker", index))
+    return True
+
+
+def _take_over(config: TrainConfig, task: Task, server, data_dir,
+               reason: str) -> None:
+    """This worker's process takes over the chief's work, on the same
+    server: the chief's graph, the test set, the logdir."""
+    checkpoints.prepare_logdir(config.logdir)
+    mnist = data_lib.load(data_dir, config.download,
+                          data_lib.mirror_list(config.data_url),
+                          need_test=True)
+    chief = Chief(config, task, server, mnist, taking_over=reason)
+    _running[:] = [chief]
+    chief.run()
 
 
 _running = []            # the worker role of this process, once built

@@ -77,9 +77,14 @@ class ChiefStep:
 
     def __call__(self, done, token, stats):
         """Loop body: (steps done, token, stats sums) -> the same, one on."""
-        parts, rule, step = self.parts, self.rule, token[0]
-        # Plan: slices for the members, tokens to the others.
-        own = rule.plan(step)
+        # Plan: slices for the members, tokens to the others; nothing more
+        # if a newer chief holds the lock (the loop then ends).
+        planned, own = self.rule.plan(token[0])
+        return tf.cond(planned, lambda: self._round(done, own, stats),
+                       lambda: (done, token, stats))
+
+    def _round(self, done, own, stats):
+        parts, rule, step = self.parts, self.rule, own[0]
         pushed = pull_compute_push(parts, own)
         with tf.device(parts.shared.shard_devices[0]):
             # Admit: wait until every member pushed (or one left).
@@ -93,16 +98,20 @@ class ChiefStep:
                 applied = self.update.apply(
                     step, list(zip(mean_grads, parts.flat.variables)))
                 # Count: steps and examples per worker, global step + 1.
-                return rule.count_and_advance(step, [applied]), step_stats
+                return (tf.constant(1, tf.int64),
+                        rule.count_and_advance(step, [applied]), step_stats)
 
-            def plan_again():
-                return (rule.unfinished_round(step),
+            def not_applied():
+                return (tf.constant(0, tf.int64), rule.unfinished_round(step),
                         tf.zeros([replica_lib.NUM_STATS]))
 
-            next_step, step_stats = tf.cond(verdict.complete, apply_step,
-                                            plan_again)
-            return (done + tf.cast(verdict.complete, tf.int64),
-                    state_lib.token(next_step), stats + step_stats)
+            # The update and the advance are one write under the chief's
+            # lock: a chief deposed meanwhile applies nothing.
+            applied, next_step, step_stats = tf.cond(
+                verdict.complete,
+                lambda: rule.guarded(apply_step, not_applied), not_applied)
+            return (done + applied, state_lib.token(next_step),
+                    stats + step_stats)
 
 
 class WorkerStep:
@@ -124,13 +133,14 @@ class WorkerStep:
 
 def training_loop(shared: state_lib.SharedState, step_body, start_token,
                   num_steps, train_steps: int, is_chief: bool,
-                  min_workers: int = 1) -> dict:
+                  min_workers: int = 1, still_chief=None) -> dict:
     """Runs from `start_token` (int64 [4]) inside one session.run.
 
     The loop ends after num_steps steps (slices, on a worker other than
     the chief), at train_steps, at a token that is not work (STOP,
     REJOIN), or, on the chief, when its Python side sets `halt` or fewer
-    than min_workers are in. Returns the
+    than min_workers are in, or once `still_chief()` (builds a bool [] on
+    ps 0, read each step) is false: a newer chief took over. Returns the
     fetches: steps_done (int64 []), next_token (int64 [4]), stats (float32
     [3] sums: examples averaged, loss sum, correct; zeros off the chief)
     and, on the chief, dropped (int64 [], stale gradients so far).
@@ -153,6 +163,8 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
                     tf.equal(shared.halt.read_value(), 0),
                     state_lib.count(shared.roster.read_value())
                     >= min_workers))
+                if still_chief is not None:
+                    go = tf.logical_and(go, still_chief())
             return go
 
         done, next_token, stats = tf.while_loop(

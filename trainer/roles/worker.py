@@ -11,6 +11,7 @@ from absl import logging
 
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
+from trainer.roles import takeover
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
 from trainer.sync import state
@@ -40,7 +41,7 @@ class Worker(WorkerRole):
                 f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
                 f" waiting for {who}; is the chief, {chief}, running?"),
                 timeout_flag="--startup_timeout_secs",
-                rejoin_after_outage=True) as dog:
+                rejoin_after_outage=True) as dog, self._chief_watch():
             token = self._join(dog)
             while True:
                 step = self.at_step = int(token[0])
@@ -64,6 +65,21 @@ class Worker(WorkerRole):
         logging.info("worker %d finished: %d gradients pushed", self.k,
                      self.pushed)
         self.close_session()
+
+    def _chief_watch(self) -> takeover.ChiefWatch:
+        """Watches the chief's beat; if it stops, this worker may take
+        over the chief's work (trainer/roles/takeover.py): the blocked run
+        is ended, and run() raises TakeOver."""
+        read = self.callable({"record": self.g.lock.recorded,
+                              "roster": self.g.handles.roster})
+        judge = takeover.Judge(self.k, self.config.worker_timeout_secs,
+                               takeover.port_refuses(self.task.cluster))
+
+        def fetch():
+            out = read()
+            return out["record"], out["roster"]
+
+        return takeover.ChiefWatch(fetch, judge, self.take_over)
 
     def _join(self, dog):
         """Asks the chief in and waits for the first token (int64 [4]).

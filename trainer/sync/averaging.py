@@ -5,7 +5,7 @@ The invariants it keeps (what checks each: docs/how-it-works.md):
 
 I1. The update applied at step t is the mean, over exactly the global
     batch of step t (each example once), of per-example gradients at the
-    parameters after step t - 1 (record_step records the first half).
+    parameters after step t - 1 (step_record.py records the first half).
 I2. A push for (step, round) is admitted only in that round of that
     step, at most once (_take_event's `fresh`).
 I3. The global step never goes back: only count_and_advance sets it, to
@@ -63,10 +63,8 @@ from trainer.learning import fixed_point
 from trainer.sync import pace as pace_lib
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
+from trainer.sync import step_record
 from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED, set_at as _set
-
-# The chief's copy of the per-step record (record_step), in --logdir.
-RECORD_FILE = "averaged_by_step.npy"
 
 # Balanced slices are cut only where the speeds predict rounds at least
 # this much shorter than with equal slices (slices.prefer).
@@ -86,20 +84,40 @@ class Averaging:
 
     def __init__(self, shared: state_lib.SharedState, global_batch: int,
                  backup_workers: int, slices: str, pull_turns,
-                 micro_batch: int = 0):
+                 micro_batch: int = 0, chief: int = 0, lock=None,
+                 epoch: tf.Tensor | None = None):
         """micro_batch: slices are whole micro-batches of this many rows
-        (--micro_batch; 0: of single rows)."""
+        (--micro_batch; 0: of single rows). chief: the worker that runs
+        the rule. lock, epoch: the ChiefLock (trainer/sync/chief_lock.py)
+        and this chief's epoch (int64 [] on ps 0): every write then
+        happens only while the lock holds that epoch. Without a lock
+        (the protocol's unit tests) the writes are not guarded."""
         self.shared, self.global_batch = shared, global_batch
+        self.chief, self.lock, self.epoch = chief, lock, epoch
         self.unit = micro_batch or 1
         self.backup_workers, self.slices = backup_workers, slices
         self.pull_turns = pull_turns
         self.device = shared.shard_devices[0]
-        self.pace = pace_lib.Pace(shared, slices, backup_workers)
+        self.pace = pace_lib.Pace(shared, slices, backup_workers, chief)
 
-    def plan(self, step: tf.Tensor) -> tf.Tensor:
+    def guarded(self, write, refused):
+        """write() while the lock holds this chief's epoch, else
+        refused() (trainer/sync/chief_lock.py); write() without a lock."""
+        if self.lock is None:
+            return write()
+        return self.lock.guarded(self.epoch, write, refused)
+
+    def plan(self, step: tf.Tensor) -> tuple:
         """Starts a round of step `step` (int64 []): slices for the roster,
         tokens to the other members (and a probe to a benched worker).
-        Returns the chief's token (int64 [4])."""
+        Returns (planned: bool [], false if a newer chief holds the lock;
+        the chief's token, int64 [4])."""
+        with tf.device(self.device):
+            return self.guarded(
+                lambda: (tf.constant(True), self._plan(step)),
+                lambda: (tf.constant(False), state_lib.token(step)))
+
+    def _plan(self, step: tf.Tensor) -> tf.Tensor:
         s = self.shared
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
@@ -131,10 +149,11 @@ class Averaging:
                 writes.append(self.pace.set_deadline(step, round_, members))
                 sent = [self._hand_out(k, step, round_, token_cut[k],
                                        given[k])
-                        for k in range(1, s.num_workers)]
+                        for k in range(s.num_workers) if k != self.chief]
                 sent += self.pull_turns.cover_absent(step, members)
             with tf.control_dependencies(writes + sent):
-                return state_lib.token(step, round_, cut[0, 0], cut[0, 1])
+                own = cut[self.chief]
+                return state_lib.token(step, round_, own[0], own[1])
 
     def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
         """Token (step, round, cut) into worker k's queue if `given` (bool
@@ -172,9 +191,21 @@ class Averaging:
 
     def _take_event(self, step, round_) -> tuple:
         """One event off sync/events, acted on. Returns (fresh push for
-        this round: bool [], a member of the round left unfinished: bool [])."""
+        this round: bool [], a member of the round left unfinished: bool
+        []). A chief whose epoch is over puts the event back for the
+        newer chief and ends its round."""
+        event = self.shared.events.dequeue()
+
+        def give_back():
+            with tf.control_dependencies([self.shared.events.enqueue(event)]):
+                return tf.constant(False), tf.constant(True)
+
+        return self.guarded(lambda: self._act_on(event, step, round_),
+                            give_back)
+
+    def _act_on(self, event, step, round_) -> tuple:
         s = self.shared
-        kind, worker, for_step, for_round, sent_at = s.events.dequeue()
+        kind, worker, for_step, for_round, sent_at = event
         # Every read first, every write after them (a read racing a write
         # of the same event would see either value).
         roster = s.roster.read_value()
@@ -200,7 +231,7 @@ class Averaging:
                                tf.logical_not(inside))
         leaves = tf.logical_and(
             tf.logical_or(tf.equal(kind, LOST), tf.equal(kind, LEAVING)),
-            tf.logical_and(inside, worker > 0))
+            tf.logical_and(inside, tf.not_equal(worker, self.chief)))
         # A member joining again was restarted: its old self will never
         # push for this round.
         restarted = tf.logical_and(tf.equal(kind, JOINED), inside)
@@ -289,40 +320,12 @@ class Averaging:
                 tf.stack([tf.cast(admitted, tf.int64),
                           tf.cast(tf.round(examples), tf.int64)], axis=1),
                 read_value=False)
-            recorded = self.record_step(step, admitted, examples)
+            recorded = step_record.record_step(
+                s, self.global_batch, step, admitted, examples)
             with tf.control_dependencies([counted, recorded]):
                 advance = s.global_step.assign(step + 1, read_value=False)
             with tf.control_dependencies([advance]):
                 return tf.identity(step + 1)
-
-    def record_step(self, step, admitted, examples) -> tf.Operation:
-        """by_step[step] = [the admitted workers' pushed slices cover rows
-        [0, global batch) exactly once, then each one's examples] (the
-        invariant checker's record; admitted: bool [N], examples: float32
-        [N] from their stats rows)."""
-        s = self.shared
-        pushed = s.pushed_slices.read_value()
-        rows = tf.range(self.global_batch, dtype=tf.int64)
-        covers = tf.logical_and(rows[None, :] >= pushed[:, :1],
-                                rows[None, :] < pushed[:, 1:])
-        times = tf.reduce_sum(tf.cast(tf.logical_and(
-            covers, admitted[:, None]), tf.int32), axis=0)
-        once = tf.reduce_all(tf.equal(times, 1))
-        row = tf.concat([tf.cast(once, tf.int32)[None],
-                         tf.cast(tf.round(examples), tf.int32)], axis=0)
-        index = tf.minimum(step, s.by_step.shape[0] - 1)
-        return tf.raw_ops.ResourceScatterUpdate(
-            resource=s.by_step.handle, indices=index[None],
-            updates=row[None])
-
-
-def steps_not_once(record: np.ndarray, batch: int, first: int,
-                   end: int) -> list[int]:
-    """The steps in [first, end) of a record (int32 [steps, 1 + N],
-    record_step's) whose admitted slices did not cover the global batch
-    exactly once, or whose examples do not sum to it."""
-    return [first + i for i, row in enumerate(record[first:end])
-            if row[0] != 1 or row[1:].sum() != batch]
 
 
 def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:

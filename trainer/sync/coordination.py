@@ -41,15 +41,18 @@ class RunCoordination:
     averaging. Every worker builds it alike, under ps 0's device."""
 
     def __init__(self, shared: state_lib.SharedState, pull_turns,
-                 fingerprint: str):
+                 fingerprint: str, chief: int = 0):
         """
         Args:
           shared: the protocol's state; its ps 0 also holds ours.
           pull_turns: the ordered pulls' turns (released on start, stop).
           fingerprint: text that describes the cluster and the run; every
             worker compares its own with the chief's before training.
+          chief: the worker whose graph runs the chief's side (worker 0,
+            or one that took over the chief's work).
         """
         self.shared, self.pull_turns = shared, pull_turns
+        self.chief = chief
         self.device = device = shared.shard_devices[0]
         self.fingerprint = fingerprint
         with tf.device(device):
@@ -107,16 +110,21 @@ class RunCoordination:
     # --- Chief side ---
 
     def start_op(self) -> tf.Operation:
-        """Run by the chief after init or restore, before marking ready:
-        forgets the events and the stop of a previous chief, lets through
-        any pull that waits for a turn, and asks every worker still running
-        to join again (REJOIN)."""
+        """Run by the chief after init, restore or taking over, before
+        marking ready: forgets the events, the stop and the halt of a
+        previous chief, makes itself the only one in the roster, lets
+        through any pull that waits for a turn, and asks every worker
+        still running to join again (REJOIN)."""
         with tf.device(self.device):
-            events = self.shared.events
-            reset = [events.dequeue_many(events.size())[0].op,
+            s = self.shared
+            reset = [s.events.dequeue_many(s.events.size())[0].op,
                      self.stop_reason.assign("", read_value=False),
+                     s.halt.assign(0, read_value=False),
+                     s.roster.assign(tf.one_hot(self.chief, s.num_workers,
+                                                True, False),
+                                     read_value=False),
                      *self.pull_turns.release_all()]
-            return self.shared.give_all(state_lib.token(REJOIN), reset)
+            return s.give_all(state_lib.token(REJOIN), self.chief, reset)
 
     def mark_ready_op(self) -> tf.Operation:
         return self.cluster_fingerprint.initializer
@@ -126,13 +134,14 @@ class RunCoordination:
         with tf.device(self.device):
             told = [self.stop_reason.assign(reason, read_value=False),
                     *self.pull_turns.release_all()]
-            return self.shared.give_all(state_lib.token(STOP), told)
+            return self.shared.give_all(state_lib.token(STOP), self.chief,
+                                        told)
 
     def end_op(self) -> tf.Operation:
         """Hands every worker the final global step: training is over."""
         with tf.device(self.device):
             final = self.shared.global_step.read_value()
-            return self.shared.give_all(state_lib.token(final))
+            return self.shared.give_all(state_lib.token(final), self.chief)
 
     def halt_op(self) -> tf.Tensor:
         """Ends the chief's training loop at the next step boundary;

@@ -36,8 +36,9 @@ class Pace:
     """Timing state on ps 0 (SharedState's speed, slice_secs, issued_*,
     answered, benched, deadlines) and what the rule decides from it."""
 
-    def __init__(self, shared, slices: str, backup_workers: int):
-        self.shared = shared
+    def __init__(self, shared, slices: str, backup_workers: int,
+                 chief: int = 0):
+        self.shared, self.chief = shared, chief
         self.balanced = slices == slices_lib.BALANCED
         # With backups a round already ends without its slowest members.
         self.deadlines = self.balanced and backup_workers == 0
@@ -48,7 +49,7 @@ class Pace:
         if not self.balanced:
             return tf.zeros_like(roster, tf.bool)
         return slices_lib.benched(self.shared.slice_secs.read_value(),
-                                  roster, BENCH_FACTOR)
+                                  roster, BENCH_FACTOR, self.chief)
 
     def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
         """Which benched workers (out: bool [N]) get a probe in a round
@@ -113,7 +114,7 @@ class Pace:
         s = self.shared
         planned, admitted = s.planned.read_value(), s.admitted.read_value()
         late = tf.logical_and(tf.logical_and(planned, tf.logical_not(
-            admitted)), tf.range(s.num_workers) > 0)
+            admitted)), tf.not_equal(tf.range(s.num_workers), self.chief))
         n_late = count_of(late)
         n_pushed = count_of(tf.logical_and(planned, tf.logical_not(late)))
         abandon = tf.logical_and(

@@ -41,7 +41,7 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
 
 
 def benched(slice_secs: tf.Tensor, roster: tf.Tensor,
-            factor: float) -> tf.Tensor:
+            factor: float, chief: int = 0) -> tf.Tensor:
     """bool [N]: members other than the chief whose recent slices took
     over `factor` times as long as every other member's (slice_secs:
     float32 [N], 0 until measured; roster: bool [N], who is in).
@@ -56,7 +56,7 @@ def benched(slice_secs: tf.Tensor, roster: tf.Tensor,
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])
     slow = tf.logical_and(secs > factor * others, others > 0)
-    return tf.logical_and(slow, tf.range(tf.size(secs)) > 0)
+    return tf.logical_and(slow, tf.not_equal(tf.range(tf.size(secs)), chief))
 
 
 def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:

@@ -132,7 +132,7 @@ class SharedState:
         self.pushed_slices = ps_variable("sync/pushed_slices", n + [2],
                                          tf.int64, zeros, True)
         # Per global step, what its average held (averaging.py's
-        # record_step): [the admitted slices cover the global batch
+        # step_record.py): [the admitted slices cover the global batch
         # exactly once (1) or not (0), then each worker's examples].
         # Steps applied before the chief's latest start are 0.
         self.by_step = ps_variable(
@@ -208,11 +208,14 @@ class SharedState:
         with tf.device(self.shard_devices[0]):
             return queue.dequeue_many(queue.size())[0].op
 
-    def give_all(self, value: tf.Tensor, after=()) -> tf.Operation:
-        """After `after`, puts token `value` in every other worker's queue."""
+    def give_all(self, value: tf.Tensor, chief: int, after=()
+                 ) -> tf.Operation:
+        """After `after`, puts token `value` in the queue of every worker
+        but the chief."""
         with tf.device(self.shard_devices[0]), \
                 tf.control_dependencies(list(after)):
-            return tf.group([q.enqueue(value) for q in self.tokens[1:]])
+            return tf.group([q.enqueue(value) for k, q in
+                             enumerate(self.tokens) if k != chief])
 
     def take_deadlines(self) -> tuple:
         """Every queued deadline request, waiting for one: (steps int64

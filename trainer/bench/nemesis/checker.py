@@ -25,10 +25,10 @@ import tensorflow as tf
 
 from trainer.bench.nemesis import schedule as schedule_lib
 from trainer.observe import progress_line
-from trainer.sync import averaging
+from trainer.sync import step_record
 
 REJOIN_SLACK_SECS = 10.0
-RECORD_FILE = averaging.RECORD_FILE
+RECORD_FILE = step_record.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
 _ASKED = "asked the chief to take it in"
@@ -84,7 +84,7 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
         results = json.loads(results_path.read_text())
         batch = int(results["flags"]["batch_size"])
         first = int(results["global_step"]) - int(results["steps_this_run"])
-        short = averaging.steps_not_once(np.load(path), batch, first,
+        short = step_record.steps_not_once(np.load(path), batch, first,
                                          train_steps)
         if short:
             problems.append(f"{len(short)} steps did not average the global "

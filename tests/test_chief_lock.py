@@ -1,0 +1,105 @@
+"""Exactly one chief: the lock's epochs on an in-process ps
+(trainer/sync/chief_lock.py), the claim (trainer/roles/takeover.py), and
+the judgement by which a worker calls the chief lost."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import helpers
+from trainer.roles import takeover
+from trainer.sync import chief_lock
+
+
+@pytest.fixture
+def lock_session():
+    """A worker and a ps in process; the lock on the ps; a guarded write
+    (counter += 1) for a fed epoch."""
+    ports = helpers.free_ports(2)
+    spec = tf.train.ClusterSpec({"worker": [f"localhost:{ports[0]}"],
+                                 "ps": [f"localhost:{ports[1]}"]})
+    server = tf.distribute.Server(spec, "worker", 0)
+    tf.distribute.Server(spec, "ps", 0)
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/job:ps/task:0"):
+        lock = chief_lock.ChiefLock("/job:ps/task:0")
+        counter = tf.Variable(0, dtype=tf.int64, use_resource=True)
+        epoch = tf.compat.v1.placeholder(tf.int64, [])
+        write = lock.guarded(
+            epoch, lambda: (tf.constant(True), counter.assign_add(1)),
+            lambda: (tf.constant(False), counter.read_value()))
+        init = counter.initializer
+    session = tf.compat.v1.Session(server.target, graph=graph)
+    session.run(init)
+    yield session, lock, lambda e: session.run(write, {epoch: e})
+    session.close()
+
+
+def test_a_newer_claim_refuses_the_older_chiefs_writes(lock_session):
+    session, lock, write = lock_session
+    first, lost = takeover.claim(session, lock, 0, wait_secs=1)
+    assert (first, lost) == (1, False)
+    assert list(session.run(lock.recorded)) == [1, 0, 0]
+    assert write(first) == (True, 1)
+    second, lost = takeover.claim(session, lock, 2, wait_secs=1)
+    assert (second, lost) == (2, False)
+    assert list(session.run(lock.recorded)) == [2, 2, 0]
+    # The old chief's write is refused and changes nothing; the new one's
+    # goes through; the lock is back after each.
+    assert write(first) == (False, 1)
+    assert write(second) == (True, 2)
+    assert session.run(lock.size) == 1
+
+
+def test_a_lock_lost_inside_a_write_is_found_by_the_next_claim(lock_session):
+    session, lock, _ = lock_session
+    takeover.claim(session, lock, 0, wait_secs=1)
+    session.run(lock.take)   # a chief killed between its take and its put
+    epoch, lost = takeover.claim(session, lock, 1, wait_secs=0.5)
+    assert (epoch, lost) == (2, True)
+    assert session.run(lock.size) == 1
+
+
+def test_beats_are_counted(lock_session):
+    session, lock, _ = lock_session
+    takeover.claim(session, lock, 0, wait_secs=1)
+    for _ in range(3):
+        session.run(lock.beat)
+    assert list(session.run(lock.recorded)) == [1, 0, 3]
+
+
+def judge(me, refused=()):
+    return takeover.Judge(me, 5.0, lambda k: k in refused)
+
+
+ROSTER = np.array([True, True, True, True])
+
+
+def test_the_lowest_member_takes_over_after_the_timeout():
+    j1, j2 = judge(1), judge(2)
+    for j in (j1, j2):
+        assert j.update([1, 0, 7], ROSTER, 0.0) is None
+        assert j.update([1, 0, 7], ROSTER, 4.9) is None   # still in time
+    assert "no beat for 5 s" in j1.update([1, 0, 7], ROSTER, 5.0)
+    # Worker 2 waits one timeout more, in case worker 1 is lost too.
+    assert j2.update([1, 0, 7], ROSTER, 5.0) is None
+    assert j2.update([1, 0, 7], ROSTER, 10.0).startswith("worker 0 left")
+
+
+def test_a_refusing_port_is_lost_after_a_second():
+    j = judge(1, refused={0})
+    assert j.update([1, 0, 7], ROSTER, 0.0) is None
+    assert j.update([1, 0, 7], ROSTER, 0.5) is None
+    assert "refuses connections" in j.update([1, 0, 7], ROSTER, 1.0)
+
+
+def test_beats_or_a_new_chief_reset_the_watch():
+    j = judge(2)
+    j.update([1, 0, 7], ROSTER, 0.0)
+    assert j.update([1, 0, 8], ROSTER, 6.0) is None   # it beat
+    after = np.array([False, True, True, True])   # worker 0 not back
+    assert j.update([2, 1, 0], after, 12.0) is None  # worker 1 took over
+    assert j.update([2, 1, 0], after, 16.0) is None
+    # Worker 1 is the chief now; worker 2 is next in line.
+    assert j.update([2, 1, 0], after, 17.0).startswith("worker 1 left")
+    assert judge(1).update([2, 1, 0], ROSTER, 100.0) is None   # itself

@@ -1,0 +1,168 @@
+"""The chief's work moves: claiming the chief's role, the chief's beat, and
+the watch by which the other workers find a lost chief.
+
+The chief's process beats: every BEAT_SECS it adds one to the beats of
+its record on ps 0 (`sync/chief`: epoch, worker index, beats; see
+trainer/sync/chief_lock.py). Every other worker watches that record
+beside its training runs, and calls the chief lost once the beats stop:
+
+- for a second while the chief's port refuses connections (the process
+  is gone);
+- for --worker_timeout_secs otherwise (a host cut off, frozen or starved
+  does not refuse: only the timeout tells).
+
+Then the worker with the lowest index among the others in the roster
+claims the chief's role at once; the next one a further
+--worker_timeout_secs later, in case the first is lost too; and so on. A
+claim made meanwhile by another worker shows as a new epoch, which
+resets the watch. Claiming ends the worker's blocked run and starts the
+chief's side in its process (trainer/roles/run.py), from the state on
+the ps tasks: no step is redone.
+"""
+
+import dataclasses
+import time
+from typing import Callable
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.cluster import devices
+from trainer.cluster import ports
+from trainer.roles.background import BackgroundThread
+from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
+
+BEAT_SECS = 0.5
+REFUSED_AFTER_SECS = 1.0   # silent this long and refusing: gone
+
+
+class TakeOver(Exception):
+    """Out of a worker's run: it takes over the chief's work."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
+    """Makes worker `index` the chief: takes the epoch out of the lock and
+    puts back the next one. Returns (this chief's epoch, lost), lost if a
+    claim found the lock empty for `wait_secs`: a chief was killed inside
+    a write, which may be half done, so the newest checkpoint must be
+    restored. The first claim on a fresh ps 0 finds no record and no
+    epoch, and waits for none."""
+    previous, lost = 0, False
+    if session.run(lock.is_recorded):
+        options = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(wait_secs * 1000))
+        try:
+            previous = int(session.run(lock.take, options=options))
+        except tf.errors.DeadlineExceededError:
+            previous, lost = int(session.run(lock.recorded)[EPOCH]), True
+    epoch = previous + 1
+    session.run(lock.put, {lock.epoch_in: epoch, lock.index_in: index})
+    return epoch, lost
+
+
+class ChiefBeat(BackgroundThread):
+    """The chief's beat: beat() every BEAT_SECS while the chief runs."""
+
+    def __init__(self, beat: Callable[[], None]):
+        super().__init__("chief-beat", BEAT_SECS, BEAT_SECS * 4)
+        self._beat = beat
+
+    def run_once(self) -> None:
+        try:
+            self._beat()
+        except Exception:  # noqa: BLE001 (ps 0 away: the watchdogs judge)
+            pass
+
+
+@dataclasses.dataclass
+class Judge:
+    """Decides from readings of the chief's record when worker `me` takes
+    over (pure: the watch below feeds it, tests too)."""
+
+    me: int
+    timeout: float                      # --worker_timeout_secs
+    refuses: Callable[[int], bool]      # worker k's port refuses now
+    _seen: tuple | None = None          # (epoch, beats) last seen
+    _since: float = 0.0                 # when they last changed
+    _lost_at: float | None = None
+
+    def update(self, record, roster, now: float) -> str | None:
+        """record: int64 [3] (epoch, index, beats); roster: bool [N].
+        Returns why to take over now, or None."""
+        chief = int(record[INDEX])
+        seen = (int(record[EPOCH]), int(record[BEATS]))
+        if seen != self._seen or chief == self.me:
+            self._seen, self._since, self._lost_at = seen, now, None
+            return None
+        silent = now - self._since
+        if self._lost_at is None:
+            if silent >= self.timeout:
+                self._why = (f"no beat for {self.timeout:.0f} s, "
+                             "--worker_timeout_secs")
+            elif silent >= REFUSED_AFTER_SECS and self.refuses(chief):
+                self._why = "its port refuses connections"
+            else:
+                return None
+            self._lost_at = now
+        rank = sum(1 for k, inside in enumerate(roster)
+                   if inside and k not in (chief, self.me) and k < self.me)
+        if now - self._lost_at >= rank * self.timeout:
+            return f"worker {chief} left: {self._why}"
+        return None
+
+
+class ChiefWatch(BackgroundThread):
+    """A worker's watch on the chief (a context manager around its
+    training runs): calls on_lost(reason) once, when Judge says so."""
+
+    def __init__(self, read: Callable[[], tuple], judge: Judge,
+                 on_lost: Callable[[str], None]):
+        """read: () -> (record int64 [3], roster bool [N]) from ps 0."""
+        super().__init__("chief-watch", BEAT_SECS, BEAT_SECS * 4)
+        self._read, self._judge, self._on_lost = read, judge, on_lost
+
+    def run_once(self) -> bool | None:
+        try:
+            record, roster = self._read()
+        except Exception:  # noqa: BLE001 (no record yet, or ps 0 away)
+            return None
+        reason = self._judge.update(record, roster, time.monotonic())
+        if reason is None:
+            return None
+        logging.warning("the chief is lost (%s); this worker takes over "
+                        "its work", reason)
+        self._on_lost(reason)
+        return False
+
+
+def port_refuses(cluster) -> Callable[[int], bool]:
+    """k -> worker k's port refuses connections now (0.5 s at most)."""
+    return lambda k: ports.answer(cluster.workers[k], 0.5,
+                                  "worker") == ports.REFUSED
+
+
+def acting_chief(target: str, task, config) -> int | None:
+    """The worker that does the chief's work now, if its beat goes on
+    (read twice, BEAT_SECS x 3 apart); None if none does, or ps 0 does
+    not answer within a few seconds (a first start: then there is none)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        lock = ChiefLock(devices.ps_device(0))
+    options = tf.compat.v1.RunOptions(timeout_in_ms=3000)
+    try:
+        with tf.compat.v1.Session(target, graph=graph, config=(
+                devices.session_config(config, task))) as session:
+            if not session.run(lock.is_recorded, options=options):
+                return None
+            first = session.run(lock.recorded, options=options)
+            time.sleep(BEAT_SECS * 3)
+            then = session.run(lock.recorded, options=options)
+    except tf.errors.OpError:
+        return None
+    if then[EPOCH] != first[EPOCH] or then[BEATS] == first[BEATS]:
+        return None
+    return int(then[INDEX])

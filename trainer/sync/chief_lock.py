@@ -1,0 +1,91 @@
+"""Exactly one chief: its epoch, and the lock every write of the rule takes.
+
+The chief's work can move to another worker (trainer/roles/takeover.py).
+Two chiefs must never both act. A chief cut off from the cluster is not
+gone: its training loop runs on ps 0 (trainer/roles/step.py), blocked, and
+would plan, admit or apply as soon as its link returns. So:
+
+- `sync/chief_lock`, a queue of capacity 1 on ps 0, holds the current
+  epoch. Each write the rule makes to the protocol's state (a plan, acting
+  on an event, a step's update and advance) takes the epoch out of the
+  lock, writes only if it is the epoch of the loop doing it, and puts it
+  back. Between the take and the put nobody else can take it.
+- A chief's start claims the lock: it takes the epoch out (waiting for a
+  write in flight to end) and puts back epoch + 1. From then on every
+  write of an older chief's loop is refused, whatever its link does, and
+  its loop ends at its next check. Two claims at once are ordered by the
+  queue: the later wins; the earlier chief's first write is refused.
+- `sync/chief` (int64 [3]: epoch, the chief's worker index, beats) is what
+  the others read: who the chief is, and whether it is alive (its
+  membership watch adds a beat at every check).
+- A lock lost: a chief killed between a take and its put leaves the queue
+  empty, and that write may be half done across the ps tasks. A claim that
+  waits --worker_timeout_secs in vain concludes that, and the new chief
+  restores the newest checkpoint, as a restarted chief does.
+"""
+
+import tensorflow as tf
+
+EPOCH, INDEX, BEATS = 0, 1, 2   # the fields of sync/chief
+
+
+class ChiefLock:
+    """The lock and the chief's record, on ps 0 (`device`). Every worker
+    builds it alike; the queue is matched by shared_name, the variable by
+    name. Neither is checkpointed nor initialized with the others: the
+    record is written by the first claim, and outlives restores."""
+
+    def __init__(self, device: str):
+        self.device = device
+        with tf.device(device):
+            self.queue = tf.queue.FIFOQueue(
+                1, [tf.int64], shapes=[[]], shared_name="sync/chief_lock",
+                name="sync_chief_lock")
+            self.record = tf.compat.v1.get_variable(
+                "sync/chief", [3], tf.int64,
+                initializer=tf.compat.v1.zeros_initializer(),
+                trainable=False, use_resource=True, collections=[])
+            self._claiming_ops()
+
+    def guarded(self, epoch: tf.Tensor, write, refused):
+        """write() if the lock holds `epoch` (int64 []), else refused();
+        both return the same structure of tensors, which is returned once
+        the lock is back. Build it on ps 0."""
+        with tf.device(self.device):
+            held = self.queue.dequeue()
+            out = tf.cond(tf.equal(held, epoch), write, refused)
+            flat = tf.nest.flatten(out)
+            with tf.control_dependencies(flat):
+                put = self.queue.enqueue(held)
+            with tf.control_dependencies([put]):
+                return tf.nest.pack_sequence_as(
+                    out, [tf.identity(t) for t in flat])
+
+    def current(self, epoch: tf.Tensor) -> tf.Tensor:
+        """bool []: `epoch` is the recorded chief's (a cheap read, for a
+        loop's condition; the writes' own check is `guarded`)."""
+        with tf.device(self.device):
+            return tf.equal(self.record.read_value()[EPOCH], epoch)
+
+    def _claiming_ops(self) -> None:
+        """What the chief's Python side runs (built once, on ps 0):
+        take (int64 []: the epoch, out of the lock; waits while it is
+        out), put (records (epoch_in, index_in, 0 beats), then puts
+        epoch_in in the lock), recorded (int64 [3]; fails before the
+        first claim), is_recorded (bool []), size (int32 []: 1 while
+        the lock is in) and beat."""
+        self.take = self.queue.dequeue()
+        self.size = self.queue.size()
+        self.epoch_in = tf.compat.v1.placeholder(tf.int64, [], "epoch_in")
+        self.index_in = tf.compat.v1.placeholder(tf.int64, [], "index_in")
+        recorded = self.record.assign(
+            tf.stack([self.epoch_in, self.index_in,
+                      tf.constant(0, tf.int64)]), read_value=False)
+        with tf.control_dependencies([recorded]):
+            self.put = self.queue.enqueue(self.epoch_in)
+        self.recorded = self.record.read_value()
+        self.is_recorded = tf.raw_ops.VarIsInitializedOp(
+            resource=self.record.handle)
+        self.beat = tf.raw_ops.ResourceScatterAdd(
+            resource=self.record.handle, indices=[BEATS],
+            updates=tf.constant([1], tf.int64))
