@@ -103,3 +103,16 @@ def test_beats_or_a_new_chief_reset_the_watch():
     # Worker 1 is the chief now; worker 2 is next in line.
     assert j.update([2, 1, 0], after, 17.0).startswith("worker 1 left")
     assert judge(1).update([2, 1, 0], ROSTER, 100.0) is None   # itself
+
+
+def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):
+    from trainer.saving import storage
+    chiefs, other = tmp_path / "chief", tmp_path / "other"
+    chiefs.mkdir()
+    other.mkdir()
+    word = storage.mark(chiefs)
+    assert not storage.warn_if_elsewhere(str(chiefs), lambda: word.encode())
+    assert storage.warn_if_elsewhere(str(other), lambda: word.encode())
+    (other / storage.MARK_FILE).write_text("another chief's\n")
+    assert storage.warn_if_elsewhere(str(other), lambda: word.encode())
+    assert not storage.warn_if_elsewhere(str(other), lambda: b"")

@@ -38,10 +38,20 @@ def test_a_hand_written_schedule_is_parsed_or_refused():
     faults = schedule.parse("kill:worker2:50:never, cut:worker1:20:30")
     assert faults == [schedule.Fault("cut", "worker1", 20, 30.0),
                       schedule.Fault("kill", "worker2", 50, None)]
-    for bad in ("cut:worker1:20", "cut:worker0:20:5", "melt:worker1:2:3",
+    assert schedule.parse("cut:worker0:20:5") == [
+        schedule.Fault("cut", "worker0", 20, 5.0)]   # the chief
+    for bad in ("cut:worker1:20", "term:worker0:20:5", "melt:worker1:2:3",
                 "cut:ps0:20:5", "cut:worker1:x:5"):
         with pytest.raises(ValueError, match="bad fault"):
             schedule.parse(bad)
+
+
+def test_the_chief_is_a_target_only_when_asked():
+    assert all(f.task != "worker0" for f in schedule.draw(5, 4, 600, 40))
+    faults = schedule.draw(5, 4, 600, 40, chief=True)
+    on_chief = [f for f in faults if f.task == "worker0"]
+    assert on_chief and all(f.kind in schedule.CHIEF_KINDS
+                            for f in on_chief)
 
 
 def test_durations_can_be_capped():

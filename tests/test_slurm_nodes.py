@@ -315,3 +315,39 @@ def test_lost_node_with_no_kill_completes(nodes, tmp_path):
     assert results["global_step"] == 600
     assert [(r["event"], r["worker"]) for r in results["membership"]
             ][-1] == ("left", 1)
+
+
+def test_lost_chief_node_with_no_kill_completes(nodes, tmp_path):
+    """n2 (worker 0, the chief, of mnist-ps-elastic) dies mid-run: worker
+    1 on n3 takes over the chief's work from the state on ps 0, the job
+    ends COMPLETED with the training's status, and results.json is in the
+    shared logdir, written by the new chief."""
+    _, _, job = submit_documented(nodes, tmp_path, "mnist-ps-elastic", [
+        "--model=mlp", "--train_steps=600", "--batch_size=32",
+        "--log_every=20", "--eval_every=600", "--checkpoint_every=100000",
+        "--worker_timeout_secs=10", "--download=false"])
+    out_file = tmp_path / f"mnist-ps-elastic-{job}.out"
+
+    def chief_step() -> int:  # progress lines: whichever worker is chief
+        text = out_file.read_text() if out_file.exists() else ""
+        steps = [progress_line.parse_progress_line(line) for task in (1, 2)
+                 for line in labelled(text, task)]
+        return max([s["step"] for s in steps if s] or [0])
+
+    wait_for(lambda: chief_step() >= 100, JOB_WAIT_SECS, "step 100")
+    nodes.lose_node("n2")
+    state = slurm_nodes.wait_job(nodes, job, JOB_WAIT_SECS)
+    out = out_file.read_text()
+    took = [line for line in labelled(out, 2) if "took over" in line]
+    assert len(took) == 1, out[-3000:]
+    print(took[0])
+    assert re.search(r"worker 1 \(n3:8888\) took over the chief's work at "
+                     r"step \d+ \(worker 0 left: ", took[0]), took[0]
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), (
+        state, out[-3000:])
+    # The tasks on n1, n3 and n4 (ps 0, the new chief, worker 2) exited 0.
+    for task in (0, 2, 3):
+        assert not re.search(rf"task {task}: (Exited|Killed)", out), out
+    results = json.loads((tmp_path / "home" / "runs" / "mnist-ps-elastic" /
+                          "results.json").read_text())
+    assert results["global_step"] == 600

@@ -4,11 +4,12 @@ Starts --num_ps ps tasks and --num_workers workers as separate OS processes
 of `python -m trainer.main`: on free loopback ports of this machine
 (trainer/cluster/local.py), or with --ssh_hosts on other machines over ssh
 (trainer/cluster/ssh_launcher.py, which checks every host first). It
-prefixes their output with the task's name. A failed worker other than
-the chief is left behind or started again (--worker_restarts); the chief
-or a ps failing, or Ctrl-C, stops them all. The exit status is the run's:
-0 when the chief and the ps tasks exited 0, else that of the first of them
-that failed. Every trainer flag given here is passed on.
+prefixes their output with the task's name. A failed worker is left
+behind or started again (--worker_restarts); so is the chief where there
+are other workers, one of which takes over its work. A ps failing, the
+chief failing alone, or Ctrl-C stops them all. The exit status is the
+run's: 0 when the ps tasks exited 0, else that of the first task that
+stopped the run. Every trainer flag given here is passed on.
 """
 
 import pathlib
@@ -40,9 +41,10 @@ flags.DEFINE_float("exit_grace_secs", 30,
                    "take to exit before they are killed.")
 
 flags.DEFINE_integer("worker_restarts", 0,
-                     "How often a worker other than the chief that fails is "
-                     "started again, so that it joins the run again; with "
-                     "0 the run goes on without it.", lower_bound=0)
+                     "How often a worker that fails is started again, so "
+                     "that it joins the run again (the chief too, where "
+                     "another worker takes over its work); with 0 the run "
+                     "goes on without it.", lower_bound=0)
 
 flags.DEFINE_string(
     "ssh_hosts", None, "Run the tasks on these machines over ssh instead of "

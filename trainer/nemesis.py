@@ -26,6 +26,7 @@ from trainer.bench.nemesis import run as run_lib
 from trainer.bench.nemesis import runner
 from trainer.bench import report
 from trainer.bench.nemesis import schedule as schedule_lib
+from trainer.common import processes
 from trainer.common.errors import UserError
 
 flags.DEFINE_integer("schedules", 3, "How many schedules to run.",
@@ -42,6 +43,10 @@ flags.DEFINE_boolean("covering", False, "One fault of every kind per "
                      "schedule.")
 flags.DEFINE_integer("workers", 4, "Workers, the chief included.",
                      lower_bound=2)
+flags.DEFINE_integer("ps", 1, "ps tasks.", lower_bound=1)
+flags.DEFINE_boolean("chief_faults", False, "Draw faults on the chief "
+                     "(worker 0) too: its work then moves to another "
+                     "worker (all kinds but term, which stops the run).")
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
 flags.DEFINE_integer("train_steps", 600, "Global steps of each run.",
                      lower_bound=20)
@@ -91,7 +96,7 @@ def yardstick() -> float:
 def replay_command(seed: int) -> str:
     """The command that runs schedule `seed` alone."""
     names = ("schedule", "faults", "max_fault_secs", "covering",
-             "workers", "model", "train_steps", "hosts", "kinds", "cpu",
+             "workers", "ps", "chief_faults", "model", "train_steps", "hosts", "kinds", "cpu",
              "training_cpu", "link_rate", "worker_timeout_secs",
              "yardstick", "deterministic", "train_flags", "data_dir")
     args = [f"--{n}={','.join(v) if isinstance(v, list) else v}"
@@ -102,8 +107,9 @@ def replay_command(seed: int) -> str:
 
 def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     """The checker's verdict on one run: problems and figures."""
+    # Progress lines are the chief's, in whichever worker's log.
     logs = [p.read_text(errors="replace")
-            for p in sorted(outcome.folder.glob("worker0.*.log"))]
+            for p in sorted(outcome.folder.glob("worker*.log"))]
     param_problems, worst, where = checker.parameters(
         reference, outcome.logdir, yardstick())
     record_path = outcome.logdir / checker.RECORD_FILE
@@ -112,7 +118,8 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
                 + checker.steps(outcome.logdir, logs, FLAGS.train_steps)
                 + checker.statuses(outcome.codes, faults,
                                    outcome.faults_in_effect,
-                                   outcome.stopped_late)
+                                   outcome.stopped_late,
+                                   checker.deposed(outcome))
                 + checker.rejoined(outcome, record,
                                    FLAGS.worker_timeout_secs))
     if outcome.hung:
@@ -159,6 +166,8 @@ def check_flags(kinds) -> None:
 
 def main(argv) -> int:
     del argv
+    # SIGTERM, or Ctrl-C in a background job, still removes the hosts.
+    processes.interrupt_on_signals()
     kinds = FLAGS.kinds or (schedule_lib.KINDS if FLAGS.hosts == "simulated"
                             else [k for k in schedule_lib.KINDS
                                   if k not in schedule_lib.HOST_KINDS])
@@ -173,7 +182,7 @@ def main(argv) -> int:
         cpu=FLAGS.cpu if simulated and FLAGS.cpu > 0 else None,
         link_rate=FLAGS.link_rate if simulated else None,
         training_cpu=(FLAGS.training_cpu if simulated
-                      and FLAGS.training_cpu > 0 else None))
+                      and FLAGS.training_cpu > 0 else None), ps=FLAGS.ps)
     rows_file = out / runner.ROWS_FILE
     try:
         rows = runner.run_all(setup, kinds, out, FLAGS, judge, out_when,

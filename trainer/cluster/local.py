@@ -127,12 +127,13 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
     Args:
       extra: trainer flags for every task.
       worker_flags: further flags for the workers only (thread counts).
-      worker_restarts: how often a failed worker (not the chief) is
-        started again.
+      worker_restarts: how often a failed worker is started again (the
+        chief too, where there are other workers).
       isolated: isolate_network() succeeded (no security notice).
       console: a common.console.Console for the tasks' lines, or None.
-      on_chief_line: (line) -> None, called with each of the chief's
-        lines (the status line), or None.
+      on_chief_line: (line) -> None, called with each line of the
+        workers, whichever does the chief's work (the status line), or
+        None.
     """
     ports = free_ports(host, num_ps + num_workers)
     ps_hosts = ",".join(f"{host}:{p}" for p in ports[:num_ps])
@@ -149,7 +150,8 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
                     worker_flags if job == "worker" else []) + extra
         return tasks.start_local(
             job, index, argv, env, console,
-            on_chief_line if f"{job}{index}" == tasks.CHIEF else None)
+            chief.watch(on_chief_line) if job == "worker" else None)
 
+    chief = tasks.ChiefName()
     return tasks.run(start, num_ps, num_workers, exit_grace_secs, report,
-                     worker_restarts)
+                     worker_restarts, chief)

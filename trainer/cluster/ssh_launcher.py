@@ -89,13 +89,15 @@ def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
         before = last.get(p.name)
         delay = ssh.RETRY_SECS if before and before.unreachable else 0.0
         task = ssh.start(p, argv, delay, console,
-                         on_chief_line if p.name == tasks.CHIEF else None)
+                         chief.watch(on_chief_line) if job == "worker"
+                         else None)
         last[p.name] = task
         beats.tasks.append(task)
         return task
 
+    chief = tasks.ChiefName()
     try:
         return tasks.run(start, num_ps, num_workers, exit_grace_secs,
-                         report, worker_restarts)
+                         report, worker_restarts, chief)
     finally:
         beats.stop()

@@ -5,12 +5,16 @@ in how a task is started: `python -m trainer.main` here, or `ssh host
 ... python -m trainer.remote run ...`. Everything after the start is
 here and is the same for both:
 
-  * a worker other than the chief that fails does not end the run: the
-    chief hands its examples to the others, and the task is started
-    again (up to --worker_restarts times) so that it joins again;
-  * the chief or a ps failing stops every task;
-  * Ctrl-C first asks the chief to save a checkpoint where it is
-    (SIGTERM, which a remote task receives as its ssh stdin closing);
+  * a worker that fails does not end the run: the chief hands its
+    examples to the others, and the task is started again (up to
+    --worker_restarts times) so that it joins again. The chief counts as
+    a worker where there are others: one of them takes over its work
+    (trainer/roles/takeover.py), and it joins again as a worker;
+  * a ps failing, or the chief where it is the only worker, stops every
+    task;
+  * Ctrl-C first asks the chief (whichever worker does the chief's work
+    now: `ChiefName`) to save a checkpoint where it is (SIGTERM, which a
+    remote task receives as its ssh stdin closing);
   * the exit status is the run's: 0 when the chief and the ps tasks
     exited 0, else that of the first of them that failed.
 """
@@ -93,10 +97,30 @@ def start_local(job: str, index: int, argv: list[str], env: dict,
 
 
 Start = Callable[[str, int], TaskProcess]   # (job, index) -> started task
+_TOOK_OVER = re.compile(r"worker (\d+) \S+ took over the chief's work")
+
+
+class ChiefName:
+    """Which task does the chief's work: worker 0, until a worker's output
+    says it took over. `watch(on_line)` makes a worker's line callback
+    that keeps track, then calls on_line (if given)."""
+
+    def __init__(self):
+        self.name = CHIEF
+
+    def watch(self, on_line=None):
+        def seen(line: str) -> None:
+            took = _TOOK_OVER.search(line)
+            if took:
+                self.name = f"worker{took.group(1)}"
+            if on_line is not None:
+                on_line(line)
+        return seen
 
 
 def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
-        report: str | None = None, worker_restarts: int = 0) -> int:
+        report: str | None = None, worker_restarts: int = 0,
+        chief: ChiefName | None = None) -> int:
     """Starts every task with start(job, index), runs the cluster to the
     end and returns the exit status of the run.
 
@@ -110,11 +134,11 @@ def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
                 tasks.append(start(job, i))
-        restart = Restarts(worker_restarts, start)
+        restart = Restarts(worker_restarts, start, num_workers)
         status = _supervise(tasks, exit_grace_secs, restart)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
-        _stop_chief_first(tasks)
+        _stop_chief_first(tasks, (chief or ChiefName()).name)
         status = 130
     if report:
         with open(report, "w") as f:
@@ -127,12 +151,14 @@ class Restarts:
     """survive() for processes.supervise: a failed worker other than the
     chief is left behind, or started again while it has restarts left."""
 
-    def __init__(self, allowed: int, start: Start):
+    def __init__(self, allowed: int, start: Start, num_workers: int = 1):
         self.allowed, self.start, self.used = allowed, start, {}
+        self.num_workers = num_workers
         self.unreachable: set[int] = set()  # workers whose host is away
 
     def __call__(self, task: TaskProcess, tasks: list) -> bool:
-        if task.job != "worker" or task.name == CHIEF:
+        if task.job != "worker" or (task.name == CHIEF
+                                     and self.num_workers == 1):
             return False
         if task.unreachable:  # not the worker's failure: try until it's back
             if task.index not in self.unreachable:
@@ -157,11 +183,12 @@ class Restarts:
         return True
 
 
-def _stop_chief_first(tasks: list[TaskProcess]) -> None:
-    """Ctrl-C: SIGTERM to the chief, which saves a checkpoint at the next
-    step boundary and stops every task; whatever still runs after
-    _CHIEF_STOP_SECS is stopped as usual."""
-    chief = next((t for t in tasks if t.name == CHIEF), None)
+def _stop_chief_first(tasks: list[TaskProcess], name: str) -> None:
+    """Ctrl-C: SIGTERM to the chief (task `name`), which saves a
+    checkpoint at the next step boundary and stops every task; whatever
+    still runs after _CHIEF_STOP_SECS is stopped as usual."""
+    chief = next((t for t in reversed(tasks)
+                  if t.name == name and t.poll() is None), None)
     if chief is not None and chief.poll() is None:
         chief.signal(signal.SIGTERM)
         deadline = time.monotonic() + _CHIEF_STOP_SECS

@@ -23,6 +23,7 @@ from trainer.roles import takeover
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
 from trainer.saving import checkpoints
+from trainer.saving import storage
 from trainer.saving import export
 from trainer.sync import step_record
 
@@ -75,7 +76,9 @@ class Chief(WorkerRole):
                                               self.k, True, writer)
         writer.close()
         counted = self._counted_before + self.session.run(ops.contributions)
-        self._check_steps(logdir, self.session.run(ops.by_step), step)
+        self.broken_steps = step_record.save_and_check(
+            logdir, self.session.run(ops.by_step), self.config.batch_size,
+            step, self.train_steps, self.config.backup_workers)
         # The chief pushes once per round: its rounds of this launch.
         self.pushed = int(self.session.run(self.g.handles.round)) - (
             self._first_round)
@@ -84,7 +87,8 @@ class Chief(WorkerRole):
         results_lib.write_ps_results(
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
-                self.train_steps - step, counted, {self.k: self.pushed, **pushed},
+                self.train_steps - step, counted,
+                {self.k: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), step_breakdown))
         self._shut_down_ps()
         self.close_session()
@@ -257,9 +261,9 @@ class Chief(WorkerRole):
             self._counted_before = -self.session.run(ops.contributions)
             self._first_round = int(self.session.run(self.g.handles.round))
             logging.warning(
-                "%s took over the chief's work at step %d (%s)",
-                self.task.cluster.describe("worker", self.k), step,
-                self.taking_over)
+                "%s took over the chief's work at step %d (%s); writing "
+                "to %s", self.task.cluster.describe("worker", self.k), step,
+                self.taking_over, logdir.resolve())
         else:
             if lost:
                 logging.warning("the last chief was lost inside a write to "
@@ -268,6 +272,9 @@ class Chief(WorkerRole):
             step = self._initialize_or_restore(logdir)
         # A later reconnect (a ps lost) restores, as worker 0's chief does.
         self.taking_over = None
+        coord = self.g.coord
+        self.session.run(coord.set_storage_word, {
+            coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
 
@@ -292,21 +299,6 @@ class Chief(WorkerRole):
                          logdir)
             self._save(logdir, step)
         return step
-
-    def _check_steps(self, logdir: pathlib.Path, by_step: np.ndarray,
-                     first: int) -> None:
-        """Writes what each step of this launch averaged (by_step: int32
-        [steps, 1 + N], step_record.record_step) to averaged_by_step.npy,
-        and logs every step whose average missed an example or held one
-        twice (with --backup_workers, by design)."""
-        np.save(logdir / step_record.RECORD_FILE, by_step)
-        self.broken_steps = step_record.steps_not_once(
-            by_step, self.config.batch_size, first, self.train_steps)
-        if self.broken_steps and not self.config.backup_workers:
-            logging.error(
-                "%d steps did not average the global batch exactly once "
-                "(first: %s); the run is not exact: please report it",
-                len(self.broken_steps), self.broken_steps[:5])
 
     def _export(self, logdir: pathlib.Path) -> None:
         """The trained model as a SavedModel in <logdir>/export/<step>/,

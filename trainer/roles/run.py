@@ -5,7 +5,6 @@
 `trainer.main` only parses flags and calls it.
 """
 
-import os
 import threading
 
 from absl import logging
@@ -114,24 +113,7 @@ def _quietly(call) -> None:
         logging.warning("could not tell the chief: %s", e)
 
 
-# gRPC keepalive on a worker's channels (TensorFlow reads this variable
-# once, when it makes its first channel). A link cut for longer than a
-# few seconds leaves the worker's connection to ps 0 waiting out TCP's
-# retransmission backoff, which doubles with each try: after a 15 s cut
-# the next try came 14 s after the link was back. With keepalive, gRPC
-# declares such a connection dead after KEEPALIVE (time + timeout), the
-# blocked run fails at once, and the worker reconnects over a new
-# connection, which sees the link as soon as it is back. Workers only: a
-# ps answers pings it finds too frequent on an idle connection (no data
-# for three pings) by closing it, which a worker survives by joining
-# again but the chief, waiting for its workers, should not see.
-KEEPALIVE = ("grpc.keepalive_time_ms=4000,grpc.keepalive_timeout_ms=4000,"
-             "grpc.http2.max_pings_without_data=0")
-
-
 def start_server(config: TrainConfig, task: Task):
-    if task.job_name == "worker" and task.task_index > 0:
-        os.environ.setdefault("TF_GRPC_DEFAULT_OPTIONS", KEEPALIVE)
     return tf.distribute.Server(
         tf.train.ClusterSpec(task.cluster.as_dict()), job_name=task.job_name,
         task_index=task.task_index,

@@ -12,6 +12,7 @@ from absl import logging
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
 from trainer.roles import takeover
+from trainer.saving import storage
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
 from trainer.sync import state
@@ -130,6 +131,9 @@ class Worker(WorkerRole):
             lambda: f"the chief, {chief}, did not initialize the variables "
                     f"within {timeout:.0f} s (--startup_timeout_secs); start"
                     " it or check --worker_hosts")
+        storage.warn_if_elsewhere(
+            self.config.logdir,
+            lambda: self.session.run(self.g.coord.read_storage_word))
         chiefs = self.session.run(self.g.handles.chief_fingerprint).decode()
         ours = self.g.coord.fingerprint
         if chiefs != ours:

@@ -67,6 +67,18 @@ class RunCoordination:
                 trainable=False, use_resource=True, collections=[])
             self.finished = queues.shared_queue(  # (worker, gradients)
                 "sync/finished", [tf.int32, tf.int64], [[], []])
+            # A random word each chief writes into its --logdir and here:
+            # a worker whose --logdir holds the same word shares the
+            # chief's storage (trainer/roles/worker.py says if not).
+            self.storage_word = tf.compat.v1.get_variable(
+                "sync/storage_word", [], tf.string,
+                initializer=tf.compat.v1.constant_initializer(""),
+                trainable=False, use_resource=True, collections=[])
+            self.storage_word_in = tf.compat.v1.placeholder(
+                tf.string, [], "storage_word")
+            self.set_storage_word = self.storage_word.assign(
+                self.storage_word_in, read_value=False)
+            self.read_storage_word = self.storage_word.read_value()
 
     # --- Worker side ---
 

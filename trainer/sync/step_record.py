@@ -7,6 +7,9 @@ saves it to RECORD_FILE in --logdir and logs any step that missed; the
 nemesis judges every step by it (invariant I1, trainer/sync/averaging.py).
 """
 
+import pathlib
+
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -41,3 +44,18 @@ def steps_not_once(record: np.ndarray, batch: int, first: int,
     exactly once, or whose examples do not sum to it."""
     return [first + i for i, row in enumerate(record[first:end])
             if row[0] != 1 or row[1:].sum() != batch]
+
+
+def save_and_check(logdir: pathlib.Path, record: np.ndarray, batch: int,
+                   first: int, end: int, backup_workers: int) -> list[int]:
+    """Writes the record (int32 [steps, 1 + N]) to RECORD_FILE in logdir
+    and returns the steps in [first, end) that did not average the batch
+    exactly once, logging them unless --backup_workers (then by design)."""
+    np.save(logdir / RECORD_FILE, record)
+    broken = steps_not_once(record, batch, first, end)
+    if broken and not backup_workers:
+        logging.error(
+            "%d steps did not average the global batch exactly once "
+            "(first: %s); the run is not exact: please report it",
+            len(broken), broken[:5])
+    return broken

@@ -9,7 +9,9 @@ Each check returns a list of problems (empty: passed):
     each example once (the chief's per-step record, averaged_by_step.npy),
     and the global step never went back (the chief's progress lines);
   * `statuses`: every task ended, with status 0 except one killed or
-    stopped for good, or one still cut off when the run ended;
+    stopped for good, one still cut off when the run ended, or a chief
+    whose work moved to another worker while it was out of reach (it
+    exits 1 with one line);
   * `rejoined`: every worker that came back and stayed up averaged
     examples again within --worker_timeout_secs + REJOIN_SLACK_SECS.
 """
@@ -32,6 +34,9 @@ RECORD_FILE = step_record.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
 _ASKED = "asked the chief to take it in"
+# What a chief logs as it exits, another worker having taken over its
+# work while it was cut off, frozen or starved (trainer/roles/chief.py).
+DEPOSED = "took over the chief's work while this chief was out of reach"
 
 
 def checkpoint_values(logdir: pathlib.Path) -> dict:
@@ -98,16 +103,28 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     return problems
 
 
+def deposed(outcome) -> set[str]:
+    """The tasks whose latest start ended as a deposed chief (DEPOSED)."""
+    found = set()
+    for task in outcome.codes:
+        logs = sorted(outcome.folder.glob(f"{task}.*.log"),
+                      key=lambda p: int(p.suffixes[-2][1:]))
+        if logs and DEPOSED in logs[-1].read_text(errors="replace"):
+            found.add(task)
+    return found
+
+
 def statuses(codes: dict, faults: list, in_effect: dict,
-             stopped_late=()) -> list:
-    """Every task ended; 0 unless its last fault left it down, or it was
-    (re)started too late to join and stopped by the nemesis."""
+             stopped_late=(), deposed_chiefs=()) -> list:
+    """Every task ended; 0 unless its last fault left it down, it was
+    (re)started too late to join and stopped by the nemesis, or it was a
+    chief deposed while out of reach (status 1)."""
     problems = []
     for task, code in codes.items():
         if code is None:
             problems.append(f"{task} did not end")
             continue
-        if task in stopped_late:
+        if task in stopped_late or (task in deposed_chiefs and code == 1):
             continue
         last = [f for f in faults if f.task == task]
         gone = last and last[-1].kind in (schedule_lib.KILL,
@@ -145,14 +162,20 @@ def rejoined(outcome, record: np.ndarray | None,
 
 def returns(outcome) -> list[tuple[float, str, str]]:
     """(wall time, task, what) of each worker's return: a restarted
-    process asking to be taken in, or the end of the last fault in effect
-    on a process that had asked by then (one still starting up, or dead,
+    process asking to be taken in (worker 0 too, which joins as a worker
+    then), or the end of the last fault in effect on a process that had
+    asked by then (one still starting up, or dead,
     is not back from anything; one whose starved CPU came back while its
     link is still cut is not back either)."""
     found, starts, asked = [], {}, {}
     in_effect = collections.defaultdict(collections.Counter)
     for when, _, task, what in outcome.history:
-        if task in ("ps0", "worker0", "all"):
+        if task.startswith("ps") or task == "all" or (
+                task == "worker0" and starts.get(task, 0) == 0
+                and what != "start"):
+            # The chief's own returns are not joins: it goes on as the
+            # chief, or exits if its work moved (`deposed`); started
+            # again, it joins as a worker, and is judged as one.
             continue
         if what == "start":
             starts[task] = starts.get(task, -1) + 1

@@ -1,6 +1,7 @@
-"""A cluster for the nemesis: one ps and N workers, each task started by
+"""A cluster for the nemesis: ps tasks and N workers, each task started by
 run_ps.sh or run_worker.sh as on separate machines, and the faults that
-can be done to them.
+can be done to them. The run is over when ps 0 exits: the chief, which
+may be another worker than worker 0 by then, tells it at the end.
 
 On simulated hosts (root: trainer/bench/simhosts/hosts.py) every task has
 a host of its own, so a link can be cut or slowed and a CPU starved. On
@@ -26,16 +27,19 @@ JOINED = "joined at global step"   # a worker's log, once it is taken in
 
 
 class Cluster:
-    """The tasks "ps0", "worker0" (the chief), "worker1", ...; `history`
-    is every start, fault and undo: (wall-clock time, chief's step, task,
-    what)."""
+    """The tasks "ps0", ..., "worker0" (the chief at the start), "worker1",
+    ...; `history` is every start, fault and undo: (wall-clock time,
+    chief's step, task, what)."""
 
     def __init__(self, folder: pathlib.Path, flags: list[str], workers: int,
-                 sim=None, cpu=None, link_rate=None, ports=None):
+                 sim=None, cpu=None, link_rate=None, ports=None, ps=1):
         """sim: a SimulatedHosts (its hosts are made or reused by name), or
-        None for loopback (then `ports`: ps port, then each worker's)."""
+        None for loopback (then `ports`: the ps ports, then each
+        worker's)."""
         self.folder, self.sim = folder, sim
-        self.names = ["ps0"] + [f"worker{k}" for k in range(workers)]
+        self.ps = [f"ps{i}" for i in range(ps)]
+        self.workers = [f"worker{k}" for k in range(workers)]
+        self.names = self.ps + self.workers
         self.hosts, self.cpu, self.link_rate = {}, cpu, link_rate
         if sim is not None:
             for name in self.names:
@@ -50,12 +54,12 @@ class Cluster:
         self.logdir = folder / "logs"
         self.flags = [*flags, f"--logdir={self.logdir}"]
         self.env = processes.child_env(
-            PYTHON=sys.executable, PS_HOSTS=addresses[0],
-            WORKER_HOSTS=",".join(addresses[1:]))
+            PYTHON=sys.executable, PS_HOSTS=",".join(addresses[:ps]),
+            WORKER_HOSTS=",".join(addresses[ps:]))
         self.processes: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
         self.history: list[tuple] = []
-        self.step, self._chief_read = 0, 0
+        self.step, self._read_to = 0, {}   # log path -> bytes read
 
     def start(self, name: str) -> None:
         script = "run_ps.sh" if name.startswith("ps") else "run_worker.sh"
@@ -91,15 +95,18 @@ class Cluster:
         return process is not None and process.poll() is None
 
     def read_step(self) -> int:
-        """The chief's latest logged step (its progress lines)."""
-        path = self.log_path("worker0")
-        if path.exists():
-            with open(path, errors="replace") as f:
-                f.seek(self._chief_read)
+        """The chief's latest logged step: its progress lines, in the log
+        of whichever worker does the chief's work."""
+        for name in self.workers:
+            path = self.log_path(name) if name in self.starts else None
+            if path is None or not path.exists():
+                continue
+            with open(path, "rb") as f:
+                f.seek(self._read_to.get(path, 0))
                 text = f.read()
-            cut = text.rfind("\n") + 1
-            self._chief_read += len(text[:cut].encode(errors="replace"))
-            for line in text[:cut].splitlines():
+            cut = text.rfind(b"\n") + 1
+            self._read_to[path] = self._read_to.get(path, 0) + cut
+            for line in text[:cut].decode(errors="replace").splitlines():
                 parsed = progress_line.parse_progress_line(line)
                 if parsed:
                     self.step = max(self.step, parsed["step"])
@@ -161,8 +168,8 @@ class Cluster:
         """SIGTERM to each worker whose latest start has not joined (the
         run ended first); returns their names."""
         return self._terminate(
-            [name for name in self.names[2:] if self.running(name)
-             and JOINED not in self.log(name)],
+            [name for name in self.workers[1:] + self._restarted_chief()
+             if self.running(name) and JOINED not in self.log(name)],
             "started after the end: stopped")
 
     def stop_returned(self, after: float, in_effect: dict,
@@ -171,7 +178,7 @@ class Cluster:
         that was faulted at the end or came back from a fault after wall
         time `after` (it may have missed the end); returns their names."""
         late = {task for when, _, task, what in self.history
-                if task in self.names[2:] and when > after
+                if task in self.workers and when > after
                 and what.startswith("end ")} | set(in_effect)
         deadline = time.monotonic() + grace
         while any(self.running(n) for n in late) and \
@@ -179,6 +186,10 @@ class Cluster:
             time.sleep(0.5)
         return self._terminate([n for n in sorted(late) if self.running(n)],
                                "back too late to learn the end: stopped")
+
+    def _restarted_chief(self) -> list[str]:
+        """worker 0 if it was started again (it joins as a worker)."""
+        return ["worker0"] if self.starts.get("worker0", 0) > 0 else []
 
     def _terminate(self, names: list[str], why: str) -> list[str]:
         """SIGTERM to each of `names`, noted with `why`; returns names."""

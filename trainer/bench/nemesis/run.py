@@ -39,6 +39,7 @@ class Setup:
     # step for faults in a run short enough for a tight yardstick).
     training_cpu: float | None = None
     link_rate: str | None = None   # each simulated host's link
+    ps: int = 1                    # ps tasks
 
 
 @dataclasses.dataclass
@@ -50,7 +51,7 @@ class Outcome:
     codes: dict            # task -> exit status of its latest start
     history: list          # (time, step, task, what) of starts and faults
     steps_seen: list       # (wall-clock time, chief's step) as it moved
-    ended_at: float        # wall-clock time the chief exited
+    ended_at: float        # wall-clock time ps 0 exited (told by the chief)
     faults_in_effect: dict  # task -> fault kinds still on at the chief's end
     hung: bool             # the run outlived setup.run_secs
     # Workers (re)started too late to join, or back from a fault too late
@@ -63,7 +64,8 @@ def run_schedule(setup: Setup, faults: list, folder: pathlib.Path, sim=None,
                  ports=None) -> Outcome:
     """Trains under `faults` (a schedule); stops whatever is left."""
     cluster = cluster_lib.Cluster(folder, setup.train_flags, setup.workers,
-                                  sim, setup.cpu, setup.link_rate, ports)
+                                  sim, setup.cpu, setup.link_rate, ports,
+                                  setup.ps)
     try:
         for name in cluster.names:
             cluster.start(name)
@@ -76,11 +78,12 @@ def run_schedule(setup: Setup, faults: list, folder: pathlib.Path, sim=None,
 
 
 def _drive(cluster, faults: list, setup: Setup) -> Outcome:
-    """Hits and undoes faults until the chief exits (or run_secs pass),
-    then lets every task end within a bound."""
+    """Hits and undoes faults until ps 0 exits, which the chief tells it
+    at the end (or run_secs pass), then lets every task end within a
+    bound."""
     start, pending = time.monotonic(), list(faults)
     undo_at, on, steps_seen, count = [], {}, [], 0
-    while cluster.running("worker0"):
+    while cluster.running("ps0"):
         now = time.monotonic()
         if now - start > setup.run_secs:
             break
@@ -102,7 +105,7 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
             cluster.undo(fault, on)
         time.sleep(POLL_SECS)
     ended = time.time()
-    hung = cluster.running("worker0")
+    hung = cluster.running("ps0")
     cluster.read_step()
     in_effect = {task: kinds[:] for task, kinds in on.items() if kinds}
     # Undo what is left, so that every task can learn that the run ended.
@@ -120,16 +123,19 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
 
 def reference_logdir(setup: Setup, cache: pathlib.Path,
                      data_flags: list[str], timeout: float) -> pathlib.Path:
-    """The logdir of a 1-worker run with the same training flags, made
-    once per flag set under `cache` (the local launcher, on loopback)."""
-    key = hashlib.sha256(" ".join(setup.train_flags).encode()).hexdigest()
+    """The logdir of a 1-worker run with the same training flags and ps
+    tasks, made once per flag set under `cache` (the local launcher, on
+    loopback)."""
+    key = hashlib.sha256(" ".join(setup.train_flags + [
+        f"ps={setup.ps}"]).encode()).hexdigest()
     logdir = cache / f"reference-{key[:12]}"
     if (logdir / "results.json").exists():
         return logdir
     shutil.rmtree(logdir, ignore_errors=True)
     flags = [f for f in setup.train_flags if not f.startswith("--min_workers")]
     argv = [sys.executable, "-m", "trainer.launch", "--num_workers=1",
-            "--num_ps=1", f"--logdir={logdir}", *flags, *data_flags]
+            f"--num_ps={setup.ps}", f"--logdir={logdir}", *flags,
+            *data_flags]
     result = subprocess.run(argv, env=processes.child_env(), timeout=timeout,
                             capture_output=True, text=True,
                             cwd=cluster_lib.REPO)

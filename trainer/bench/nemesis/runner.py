@@ -59,11 +59,11 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
             else:
                 faults = schedule_lib.draw(
                     seed, setup.workers, flags.train_steps, flags.faults,
-                    kinds, flags.max_fault_secs)
+                    kinds, flags.max_fault_secs, flags.chief_faults)
             started = time.monotonic()
             outcome = run_lib.run_schedule(
                 setup, faults, out / f"schedule-{seed}", sim,
-                None if sim else free_ports(setup.workers + 1))
+                None if sim else free_ports(setup.ps + setup.workers))
             verdict = judge(outcome, faults, reference)
             row = {"seed": seed, **verdict,
                    "faults": [f.describe() for f in faults],

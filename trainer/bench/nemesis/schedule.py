@@ -2,9 +2,13 @@
 a seed, so that any schedule can be replayed from its seed alone.
 
 A schedule is a list of `Fault`s. Faults may overlap, also on one worker
-(a worker paused while its link is down). Only workers other than the
-chief are targets for now; `Fault.task` names the task so that chief and
-ps faults can be added without changing the format.
+(a worker paused while its link is down). The targets are the workers
+other than the chief, and with `chief=True` worker 0 too: the chief at the
+start, whose work then moves to another worker (trainer/roles/takeover.py).
+SIGTERM is not among the chief's faults: it stops the whole run on
+purpose (a checkpoint, then every task; the launcher's Ctrl-C). ps faults
+are not drawn yet; `Fault.task` names the task so that they can be added
+without changing the format.
 """
 
 import dataclasses
@@ -31,6 +35,8 @@ DURATION = {KILL: (1.0, 20.0), TERM: (1.0, 20.0), STOP: (1.0, 30.0),
             CUT: (1.0, 40.0), SLOW: (2.0, 20.0), STARVE: (2.0, 20.0)}
 # The share of kills and terms whose task is never started again.
 NEVER_BACK = 0.25
+CHIEF = "worker0"
+CHIEF_KINDS = tuple(k for k in KINDS if k != TERM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +55,14 @@ class Fault:
 
 
 def draw(seed: int, workers: int, train_steps: int, faults: int,
-         kinds=KINDS, max_secs: float | None = None) -> list[Fault]:
-    """`faults` faults of random kinds on workers 1..workers-1, sorted by
-    step, none lasting over max_secs; the same arguments give the same
-    list."""
+         kinds=KINDS, max_secs: float | None = None,
+         chief: bool = False) -> list[Fault]:
+    """`faults` faults of random kinds on workers 1..workers-1 (0 too with
+    `chief`, by a kind of CHIEF_KINDS), sorted by step, none lasting over
+    max_secs; the same arguments give the same list."""
     rng = random.Random(seed)
     return _sorted([_one(rng, rng.choice(list(kinds)), workers, train_steps,
-                         max_secs) for _ in range(faults)])
+                         max_secs, chief) for _ in range(faults)])
 
 
 def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
@@ -68,11 +75,12 @@ def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
 
 
 def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
-         max_secs: float | None) -> Fault:
+         max_secs: float | None, chief: bool = False) -> Fault:
     """A fault of `kind` at a step in the first half of the run (so that
     a worker that comes back has steps left to rejoin in)."""
     if workers < 2:
         raise ValueError("a fault schedule needs a worker besides the chief")
+    first = 0 if chief and kind in CHIEF_KINDS else 1
     low, high = DURATION[kind]
     if max_secs is not None:
         high = min(high, max_secs)
@@ -81,7 +89,7 @@ def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
     if kind in (KILL, TERM) and rng.random() < NEVER_BACK:
         secs = None
     last = max(11, int(0.5 * train_steps))
-    return Fault(kind, f"worker{rng.randrange(1, workers)}",
+    return Fault(kind, f"worker{rng.randrange(first, workers)}",
                  rng.randrange(10, last), secs)
 
 
@@ -104,10 +112,12 @@ def parse(text: str) -> list[Fault]:
             raise ValueError(f"bad fault {item!r}; write kind:task:step:secs"
                              ", e.g. cut:worker1:100:30") from None
         if kind not in KINDS or not task.startswith("worker") or \
-                task == "worker0" or not task[6:].isdigit():
+                not task[6:].isdigit() or (task == CHIEF and
+                                           kind not in CHIEF_KINDS):
             raise ValueError(f"bad fault {item!r}: the kind is one of "
-                             f"{', '.join(KINDS)} and the task worker1, "
-                             "worker2, ...")
+                             f"{', '.join(KINDS)} and the task worker0, "
+                             f"worker1, ... (worker0, the chief: "
+                             f"{', '.join(CHIEF_KINDS)})")
         faults.append(fault)
     return _sorted(faults)
 
