@@ -52,6 +52,9 @@ def test_the_chief_is_a_target_only_when_asked():
     on_chief = [f for f in faults if f.task == "worker0"]
     assert on_chief and all(f.kind in schedule.CHIEF_KINDS
                             for f in on_chief)
+    for seed in range(20):   # every schedule hits the chief
+        assert any(f.task == "worker0" for f in schedule.draw(
+            seed, 4, 300, 4, chief=True))
 
 
 def test_durations_can_be_capped():

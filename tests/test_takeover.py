@@ -11,7 +11,8 @@ import re
 import pytest
 
 from tests import helpers
-from tests.test_elastic import frozen, log_time, seconds_since_midnight
+from tests.test_elastic import (data, frozen, log_time,  # noqa: F401
+                                seconds_since_midnight)
 from tests.test_cluster_runs import final_parameters
 
 pytestmark = pytest.mark.cluster
@@ -21,11 +22,6 @@ FLAGS = ("--model=mlp", "--hidden_units=256", "--batch_size=64",
          f"--train_steps={STEPS}", "--seed=3", "--log_every=20",
          "--checkpoint_every=100", f"--worker_timeout_secs={TIMEOUT}",
          "--deterministic")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return helpers.fake_mnist(tmp_path_factory.mktemp("data"), train=2000)
 
 
 @pytest.fixture(scope="module")

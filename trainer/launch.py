@@ -6,8 +6,9 @@ of `python -m trainer.main`: on free loopback ports of this machine
 (trainer/cluster/ssh_launcher.py, which checks every host first). It
 prefixes their output with the task's name. A failed worker is left
 behind or started again (--worker_restarts); so is the chief where there
-are other workers, one of which takes over its work. A ps failing, the
-chief failing alone, or Ctrl-C stops them all. The exit status is the
+are other workers, one of which takes over its work. A failed ps is
+started again with --ps_restarts. A ps failing otherwise, the chief
+failing alone, or Ctrl-C stops them all. The exit status is the
 run's: 0 when the ps tasks exited 0, else that of the first task that
 stopped the run. Every trainer flag given here is passed on.
 """
@@ -45,6 +46,12 @@ flags.DEFINE_integer("worker_restarts", 0,
                      "that it joins the run again (the chief too, where "
                      "another worker takes over its work); with 0 the run "
                      "goes on without it.", lower_bound=0)
+flags.DEFINE_integer("ps_restarts", 0,
+                     "How often a ps task that fails is started again at "
+                     "its address: the workers reconnect and the chief "
+                     "restores the newest checkpoint (up to "
+                     "--checkpoint_every steps redone); with 0 a failed ps "
+                     "stops the run.", lower_bound=0)
 
 flags.DEFINE_string(
     "ssh_hosts", None, "Run the tasks on these machines over ssh instead of "
@@ -109,7 +116,7 @@ def main(argv) -> int:
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
         FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        isolated, console, on_chief_line))
+        isolated, console, on_chief_line, FLAGS.ps_restarts))
 
 
 def _with_console(run) -> int:
@@ -150,7 +157,7 @@ def _launch_over_ssh(console, on_chief_line) -> int:
         hosts, FLAGS.num_ps, num_workers, FLAGS.base_port, remote,
         remote_lib.facts([], None, True), trainer_flags.forwarded_flags(),
         check, FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        console, on_chief_line)
+        console, on_chief_line, FLAGS.ps_restarts)
 
 
 def run_main():

@@ -120,7 +120,8 @@ def isolate_network(enabled: bool, host: str, fetch_data) -> bool:
 def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
            worker_flags: list[str], exit_grace_secs: float,
            report: str | None = None, worker_restarts: int = 0,
-           isolated: bool = False, console=None, on_chief_line=None) -> int:
+           isolated: bool = False, console=None, on_chief_line=None,
+           ps_restarts: int = 0) -> int:
     """Runs the cluster to the end (tasks.run); returns the exit status
     of the run.
 
@@ -129,6 +130,7 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
       worker_flags: further flags for the workers only (thread counts).
       worker_restarts: how often a failed worker is started again (the
         chief too, where there are other workers).
+      ps_restarts: how often a failed ps task is started again.
       isolated: isolate_network() succeeded (no security notice).
       console: a common.console.Console for the tasks' lines, or None.
       on_chief_line: (line) -> None, called with each line of the
@@ -154,4 +156,4 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
 
     chief = tasks.ChiefName()
     return tasks.run(start, num_ps, num_workers, exit_grace_secs, report,
-                     worker_restarts, chief)
+                     worker_restarts, chief, ps_restarts)

@@ -11,7 +11,8 @@ here and is the same for both:
     a worker where there are others: one of them takes over its work
     (trainer/roles/takeover.py), and it joins again as a worker;
   * a ps failing, or the chief where it is the only worker, stops every
-    task;
+    task, unless --ps_restarts allows the ps to be started again (the
+    workers reconnect, and the chief restores the newest checkpoint);
   * Ctrl-C first asks the chief (whichever worker does the chief's work
     now: `ChiefName`) to save a checkpoint where it is (SIGTERM, which a
     remote task receives as its ssh stdin closing);
@@ -120,7 +121,7 @@ class ChiefName:
 
 def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
         report: str | None = None, worker_restarts: int = 0,
-        chief: ChiefName | None = None) -> int:
+        chief: ChiefName | None = None, ps_restarts: int = 0) -> int:
     """Starts every task with start(job, index), runs the cluster to the
     end and returns the exit status of the run.
 
@@ -134,7 +135,7 @@ def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
                 tasks.append(start(job, i))
-        restart = Restarts(worker_restarts, start, num_workers)
+        restart = Restarts(worker_restarts, start, num_workers, ps_restarts)
         status = _supervise(tasks, exit_grace_secs, restart)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
@@ -151,14 +152,17 @@ class Restarts:
     """survive() for processes.supervise: a failed worker other than the
     chief is left behind, or started again while it has restarts left."""
 
-    def __init__(self, allowed: int, start: Start, num_workers: int = 1):
+    def __init__(self, allowed: int, start: Start, num_workers: int = 1,
+                 ps_allowed: int = 0):
         self.allowed, self.start, self.used = allowed, start, {}
-        self.num_workers = num_workers
+        self.num_workers, self.ps_allowed = num_workers, ps_allowed
         self.unreachable: set[int] = set()  # workers whose host is away
 
     def __call__(self, task: TaskProcess, tasks: list) -> bool:
-        if task.job != "worker" or (task.name == CHIEF
-                                     and self.num_workers == 1):
+        if task.job == "ps":
+            return self._again(task, tasks, self.ps_allowed, "--ps_restarts",
+                               "the run stops")
+        if task.name == CHIEF and self.num_workers == 1:
             return False
         if task.unreachable:  # not the worker's failure: try until it's back
             if task.index not in self.unreachable:
@@ -169,17 +173,24 @@ class Restarts:
             tasks.append(self.start("worker", task.index))
             return True
         self.unreachable.discard(task.index)
-        used = self.used.get(task.index, 0)
-        if used >= self.allowed:
-            logging.warning("%s exited with status %d; the run goes on "
-                            "without it (--worker_restarts=%d)", task.name,
-                            task.poll(), self.allowed)
-            return True
-        self.used[task.index] = used + 1
+        self._again(task, tasks, self.allowed, "--worker_restarts",
+                    "the run goes on without it")
+        return True
+
+    def _again(self, task: TaskProcess, tasks: list, allowed: int,
+               flag: str, otherwise: str) -> bool:
+        """Starts `task` again if it has restarts left (True), else logs
+        `otherwise` (False)."""
+        used = self.used.get(task.name, 0)
+        if used >= allowed:
+            logging.warning("%s exited with status %d; %s (%s=%d)",
+                            task.name, task.poll(), otherwise, flag, allowed)
+            return False
+        self.used[task.name] = used + 1
         logging.warning("%s exited with status %d; starting it again (%d "
-                        "of --worker_restarts=%d)", task.name, task.poll(),
-                        used + 1, self.allowed)
-        tasks.append(self.start("worker", task.index))
+                        "of %s=%d)", task.name, task.poll(), used + 1, flag,
+                        allowed)
+        tasks.append(self.start(task.job, task.index))
         return True
 
 

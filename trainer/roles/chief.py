@@ -1,6 +1,6 @@
-"""The chief (worker 0): initializes or restores, runs the update, and
-evaluates, checkpoints, summarizes and reports; at the end it tells every
-ps task to exit."""
+"""The chief (worker 0, or a worker that took over its work): claims the
+role, initializes, restores or takes the ps state as it is, runs the
+update, evaluates, checkpoints, summarizes, reports, tells the ps to exit."""
 
 import contextlib
 import dataclasses
@@ -32,10 +32,9 @@ EXPORT_DIR = "export"
 
 
 class Chief(WorkerRole):
-    """The chief's side, in worker 0 or in a worker that took over the
-    chief's work (`taking_over`: why, for the log)."""
+    """taking_over: the TakeOver of a worker that took over, or None."""
 
-    def __init__(self, *args, taking_over: str | None = None, **kwargs):
+    def __init__(self, *args, taking_over=None, **kwargs):
         super().__init__(*args, as_chief=True, **kwargs)
         self.taking_over = taking_over
         # sync/contributions lives on ps 0 and restarts from zero whenever
@@ -82,7 +81,11 @@ class Chief(WorkerRole):
         # The chief pushes once per round: its rounds of this launch.
         self.pushed = int(self.session.run(self.g.handles.round)) - (
             self._first_round)
-        self._export(logdir)
+        # The trained model as a TF Serving version (trainer/saving/export.py).
+        export.export_version(
+            str(logdir / EXPORT_DIR), self.train_steps, self.config.model,
+            self.config.hidden_units, self.session.run(ops.param_values),
+            self.config.keep_checkpoints)
         pushed = self._collect_finished()
         results_lib.write_ps_results(
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
@@ -249,10 +252,14 @@ class Chief(WorkerRole):
         initializes or restores; then asks every worker in. Returns the
         global step training starts from."""
         ops = self.g.chief
-        if self.taking_over:  # not waited for at the end (it is gone)
-            self._gone = int(self.session.run(ops.lock.recorded)[1])
-        self.epoch, lost = takeover.claim(
-            self.session, ops.lock, self.k, self.config.worker_timeout_secs)
+        if self.taking_over:  # claimed by the worker, before its graph
+            claim = self.taking_over.claim
+            self.epoch, lost, self._gone = (claim.epoch, claim.lost,
+                                            claim.previous)
+        else:
+            self.epoch, lost = takeover.claim(
+                self.session, ops.lock, self.k,
+                self.config.worker_timeout_secs)
         if self.taking_over and not lost:
             # No restore: the ps tasks hold every step applied, and the
             # protocol's counts and records of this run go on.
@@ -263,13 +270,15 @@ class Chief(WorkerRole):
             logging.warning(
                 "%s took over the chief's work at step %d (%s); writing "
                 "to %s", self.task.cluster.describe("worker", self.k), step,
-                self.taking_over, logdir.resolve())
+                self.taking_over.reason, logdir.resolve())
         else:
             if lost:
                 logging.warning("the last chief was lost inside a write to "
                                 "the ps tasks; restoring the newest "
                                 "checkpoint")
             step = self._initialize_or_restore(logdir)
+        if self.taking_over:  # our own beat starts within seconds
+            self.taking_over.claim.handed_over()
         # A later reconnect (a ps lost) restores, as worker 0's chief does.
         self.taking_over = None
         coord = self.g.coord
@@ -299,14 +308,6 @@ class Chief(WorkerRole):
                          logdir)
             self._save(logdir, step)
         return step
-
-    def _export(self, logdir: pathlib.Path) -> None:
-        """The trained model as a SavedModel in <logdir>/export/<step>/,
-        a TF Serving version (see trainer/saving/export.py)."""
-        values = self.session.run(self.g.chief.param_values)
-        export.export_version(str(logdir / EXPORT_DIR), self.train_steps,
-                              self.config.model, self.config.hidden_units,
-                              values, self.config.keep_checkpoints)
 
     def _no_counts(self) -> np.ndarray:
         return np.zeros([self.task.cluster.num_workers, 2], np.int64)

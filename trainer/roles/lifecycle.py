@@ -135,7 +135,7 @@ class WorkerRole(abc.ABC):
             reason, outage = self._stop_reason, self._outage_secs
             self._outage_secs = None
         if self._taking_over:  # the chief watch closed the session
-            raise takeover.TakeOver(self._taking_over) from None
+            raise takeover.TakeOver(*self._taking_over) from None
         if reason:  # the watchdog closed the session
             raise RunFailed(reason) from None
         if outage is not None:  # closed by the watchdog: join again
@@ -245,10 +245,13 @@ class WorkerRole(abc.ABC):
         self.close_session()
 
     def take_over(self, reason: str) -> None:
-        """From the chief watch: end the blocked run; run() then raises
-        TakeOver, and this process starts the chief's side."""
+        """From the chief watch: claim the chief's role, then end the
+        blocked run; run() then raises TakeOver, and this process starts
+        the chief's side."""
+        claim = takeover.Claim(self.server.target, self.task, self.config,
+                               self.k)
         with self._lock:
-            self._taking_over = reason
+            self._taking_over = (reason, claim)
         self.close_session()
 
     def give_up(self, reason: str) -> None:

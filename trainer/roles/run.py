@@ -53,7 +53,7 @@ def run(config: TrainConfig, task: Task) -> None:
     try:
         role.run()
     except takeover.TakeOver as e:
-        _take_over(config, task, server, data_dir, e.reason)
+        _take_over(config, task, server, data_dir, e)
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
@@ -68,14 +68,14 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
 
 
 def _take_over(config: TrainConfig, task: Task, server, data_dir,
-               reason: str) -> None:
+               claimed: takeover.TakeOver) -> None:
     """This worker's process takes over the chief's work, on the same
     server: the chief's graph, the test set, the logdir."""
     checkpoints.prepare_logdir(config.logdir)
     mnist = data_lib.load(data_dir, config.download,
                           data_lib.mirror_list(config.data_url),
                           need_test=True)
-    chief = Chief(config, task, server, mnist, taking_over=reason)
+    chief = Chief(config, task, server, mnist, taking_over=claimed)
     _running[:] = [chief]
     chief.run()
 

@@ -15,9 +15,11 @@ Then the worker with the lowest index among the others in the roster
 claims the chief's role at once; the next one a further
 --worker_timeout_secs later, in case the first is lost too; and so on. A
 claim made meanwhile by another worker shows as a new epoch, which
-resets the watch. Claiming ends the worker's blocked run and starts the
-chief's side in its process (trainer/roles/run.py), from the state on
-the ps tasks: no step is redone.
+resets the watch. The claim comes first, with a beat of its own (`Claim`),
+and then the worker ends its blocked run and builds the chief's side in
+its process (trainer/roles/run.py), which can take long on a slow host:
+meanwhile the others see the new chief's beat and wait. The new chief
+goes on from the state on the ps tasks: no step is redone.
 """
 
 import dataclasses
@@ -37,11 +39,37 @@ REFUSED_AFTER_SECS = 1.0   # silent this long and refusing: gone
 
 
 class TakeOver(Exception):
-    """Out of a worker's run: it takes over the chief's work."""
+    """Out of a worker's run: it takes over the chief's work, having
+    made `claim` (a Claim) for `reason`."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, claim):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.claim = reason, claim
+
+
+class Claim:
+    """A worker's claim of the chief's role on a session of its own, with
+    a beat until `handed_over()`: made before the worker builds the
+    chief's graph. epoch, lost: as `claim` returns them; previous: the
+    worker index of the chief it replaces."""
+
+    def __init__(self, target: str, task, config, index: int):
+        self._graph = tf.Graph()
+        with self._graph.as_default():
+            lock = ChiefLock(devices.ps_device(0))
+        self._session = tf.compat.v1.Session(
+            target, graph=self._graph,
+            config=devices.session_config(config, task))
+        self.previous = int(self._session.run(lock.recorded)[INDEX])
+        self.epoch, self.lost = claim(self._session, lock, index,
+                                      config.worker_timeout_secs)
+        self._beat = ChiefBeat(lambda: self._session.run(lock.beat))
+        self._beat.start()
+
+    def handed_over(self) -> None:
+        """The chief's own beat runs now: this one stops."""
+        self._beat.stop()
+        self._session.close()
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:

@@ -17,6 +17,8 @@ I5. A member reads the parameters for step t only after step t - 1 is
 I6. A worker alive and reachable is taken back in: a push from outside
     the roster, or a JOINED, puts it in the next plan; one cut off for
     longer than --worker_timeout_secs joins again once ps 0 answers.
+I7. At most one chief acts: every write here happens only while ps 0's
+    lock holds this chief's epoch (`guarded`, trainer/sync/chief_lock.py).
 
 For global step t the chief runs rounds until one completes:
 

@@ -58,11 +58,19 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
          kinds=KINDS, max_secs: float | None = None,
          chief: bool = False) -> list[Fault]:
     """`faults` faults of random kinds on workers 1..workers-1 (0 too with
-    `chief`, by a kind of CHIEF_KINDS), sorted by step, none lasting over
-    max_secs; the same arguments give the same list."""
+    `chief`, at least once, by a kind of CHIEF_KINDS), sorted by step,
+    none lasting over max_secs; the same arguments give the same list."""
     rng = random.Random(seed)
-    return _sorted([_one(rng, rng.choice(list(kinds)), workers, train_steps,
-                         max_secs, chief) for _ in range(faults)])
+    drawn = [_one(rng, rng.choice(list(kinds)), workers, train_steps,
+                  max_secs, chief) for _ in range(faults)]
+    chief_kinds = [k for k in kinds if k in CHIEF_KINDS]
+    if chief and drawn and chief_kinds and all(
+            f.task != CHIEF for f in drawn):
+        # Every schedule hits the chief at least once.
+        first = _one(rng, rng.choice(chief_kinds), workers, train_steps,
+                     max_secs)
+        drawn[0] = dataclasses.replace(first, task=CHIEF)
+    return _sorted(drawn)
 
 
 def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
