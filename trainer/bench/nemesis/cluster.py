@@ -24,6 +24,7 @@ from trainer.observe import progress_line
 REPO = pathlib.Path(__file__).resolve().parents[3]
 PORT = 2222
 JOINED = "joined at global step"   # a worker's log, once it is taken in
+TOOK_OVER = b"took over the chief's work at step"  # a new chief's log
 
 
 class Cluster:
@@ -60,6 +61,7 @@ class Cluster:
         self.starts: dict[str, int] = {}
         self.history: list[tuple] = []
         self.step, self._read_to = 0, {}   # log path -> bytes read
+        self.chief = "worker0"   # the task that does the chief's work now
 
     def start(self, name: str) -> None:
         script = "run_ps.sh" if name.startswith("ps") else "run_worker.sh"
@@ -106,6 +108,8 @@ class Cluster:
                 text = f.read()
             cut = text.rfind(b"\n") + 1
             self._read_to[path] = self._read_to.get(path, 0) + cut
+            if TOOK_OVER in text[:cut]:
+                self.chief = name
             for line in text[:cut].decode(errors="replace").splitlines():
                 parsed = progress_line.parse_progress_line(line)
                 if parsed:
@@ -122,6 +126,11 @@ class Cluster:
         if kind in (schedule_lib.KILL, schedule_lib.TERM, schedule_lib.STOP):
             if not self.running(name):
                 self.note(name, f"{kind} (not running)")
+                return
+            if kind == schedule_lib.TERM and name == self.chief:
+                # SIGTERM to the chief stops the run on purpose (a
+                # checkpoint, then every task): not a fault to survive.
+                self.note(name, f"{kind} (the chief now: not sent)")
                 return
             signum = {schedule_lib.KILL: signal.SIGKILL,
                       schedule_lib.TERM: signal.SIGTERM,

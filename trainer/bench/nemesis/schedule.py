@@ -6,7 +6,9 @@ A schedule is a list of `Fault`s. Faults may overlap, also on one worker
 other than the chief, and with `chief=True` worker 0 too: the chief at the
 start, whose work then moves to another worker (trainer/roles/takeover.py).
 SIGTERM is not among the chief's faults: it stops the whole run on
-purpose (a checkpoint, then every task; the launcher's Ctrl-C). ps faults
+purpose (a checkpoint, then every task; the launcher's Ctrl-C), and a
+term drawn for a worker that does the chief's work by then is not sent
+(trainer/bench/nemesis/cluster.py). ps faults
 are not drawn yet; `Fault.task` names the task so that they can be added
 without changing the format.
 """
