@@ -175,19 +175,27 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 
 def acting_chief(target: str, task, config) -> int | None:
     """The worker that does the chief's work now, if its beat goes on
-    (read twice, BEAT_SECS x 3 apart); None if none does, or ps 0 does
-    not answer within a few seconds (a first start: then there is none)."""
+    (read twice, BEAT_SECS x 6 apart); None if none does, or ps 0 does
+    not answer within --startup_timeout_secs (a first start: then there
+    is none). Waits for ps 0 first: a chief started again while its own
+    link is still down must not take the role back from a worker that
+    took it over meanwhile."""
+    deadline = time.monotonic() + config.startup_timeout_secs
+    while ports.answer(task.cluster.ps[0], 1.0, "--ps_hosts") != ports.OPEN:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(BEAT_SECS)
     graph = tf.Graph()
     with graph.as_default():
         lock = ChiefLock(devices.ps_device(0))
-    options = tf.compat.v1.RunOptions(timeout_in_ms=3000)
+    options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
     try:
         with tf.compat.v1.Session(target, graph=graph, config=(
                 devices.session_config(config, task))) as session:
             if not session.run(lock.is_recorded, options=options):
                 return None
             first = session.run(lock.recorded, options=options)
-            time.sleep(BEAT_SECS * 3)
+            time.sleep(BEAT_SECS * 6)
             then = session.run(lock.recorded, options=options)
     except tf.errors.OpError:
         return None
