@@ -94,6 +94,16 @@ def test_the_checker_finds_a_step_that_went_back(tmp_path):
     assert problems == ["the global step went back in the chief's log 0"]
 
 
+def test_the_checker_finds_steps_redone(tmp_path):
+    logdir = _logdir(tmp_path, [[1, 8]] * 4)
+    restore = "I1127 chief.py:300] restored /x/model.ckpt-0 (global step 0)"
+    assert checker.steps(logdir, ["", restore], 4) == [
+        "steps redone: a chief restored /x/model.ckpt-0 (global step 0) "
+        "(log 1)"]
+    lost = "W1127 the last chief was lost inside a write to the ps tasks"
+    assert checker.steps(logdir, [lost + "\n" + restore], 4) == []
+
+
 def test_the_checker_judges_exit_statuses():
     kill_for_good = schedule.Fault(schedule.KILL, "worker1", 20, None)
     cut = schedule.Fault(schedule.CUT, "worker2", 30, 5.0)

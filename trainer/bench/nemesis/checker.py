@@ -7,7 +7,9 @@ Each check returns a list of problems (empty: passed):
     b| / max |a| per variable);
   * `steps`: every step of this run averaged exactly the global batch,
     each example once (the chief's per-step record, averaged_by_step.npy),
-    and the global step never went back (the chief's progress lines);
+    the global step never went back (the chief's progress lines), and no
+    chief restored a checkpoint (a run that starts fresh redoes steps
+    only by a restore; allowed after a chief killed inside a write);
   * `statuses`: every task ended, with status 0 except one killed or
     stopped for good, one still cut off when the run ended, or a chief
     whose work moved to another worker while it was out of reach (it
@@ -30,6 +32,8 @@ from trainer.observe import progress_line
 from trainer.sync import step_record
 
 REJOIN_SLACK_SECS = 10.0
+_RESTORED = re.compile(r"restored \S+ \(global step \d+\)")
+_LOST_INSIDE = "the last chief was lost inside a write"
 RECORD_FILE = step_record.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
@@ -100,6 +104,10 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
         if any(b < a for a, b in zip(seen, seen[1:])):
             problems.append(f"the global step went back in the chief's "
                             f"log {i}")
+        restored = _RESTORED.search(text)
+        if restored and _LOST_INSIDE not in text:
+            problems.append(f"steps redone: a chief {restored.group(0)} "
+                            f"(log {i})")
     return problems
 
 
