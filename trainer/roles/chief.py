@@ -1,6 +1,5 @@
 """The chief (worker 0, or a worker that took over its work): claims the
-role, initializes, restores or takes the ps state as it is, runs the
-update, evaluates, checkpoints, summarizes, reports, tells the ps to exit."""
+role, starts, runs the update, evaluates, checkpoints, reports, ends."""
 
 import contextlib
 import dataclasses
@@ -18,6 +17,7 @@ from trainer.observe import results as results_lib
 from trainer.observe import summaries
 from trainer.observe import tracing
 from trainer.roles import deadlines
+from trainer.roles import ending
 from trainer.roles import membership
 from trainer.roles import takeover
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
@@ -27,7 +27,6 @@ from trainer.saving import storage
 from trainer.saving import export
 from trainer.sync import step_record
 
-FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 EXPORT_DIR = "export"
 
 
@@ -86,14 +85,15 @@ class Chief(WorkerRole):
             str(logdir / EXPORT_DIR), self.train_steps, self.config.model,
             self.config.hidden_units, self.session.run(ops.param_values),
             self.config.keep_checkpoints)
-        pushed = self._collect_finished()
+        pushed = ending.collect_reports(self.session, self.g.chief,
+                                        self.task.cluster, self.k)
         results_lib.write_ps_results(
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
                 self.train_steps - step, counted,
                 {self.k: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), step_breakdown))
-        self._shut_down_ps()
+        ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
 
     def _membership_watch(self, writer) -> membership.MembershipWatch:
@@ -111,8 +111,7 @@ class Chief(WorkerRole):
             on_unreachable=self._stop_stalled_run, chief=self.k)
 
     def _round_deadlines(self):
-        """The deadline thread, where rounds have deadlines (balanced
-        slices, no backup workers: Pace.deadlines); else nothing."""
+        """The deadline thread where rounds have them (Pace.deadlines)."""
         ops = self.g.chief
         if ops.deadlines is None:
             return contextlib.nullcontext()
@@ -120,8 +119,7 @@ class Chief(WorkerRole):
                                         ops.late_op, *ops.late_in)
 
     def _wait_for_workers(self, count: int) -> None:
-        """Takes in the workers that joined until `count` are in (at most
-        --startup_timeout_secs)."""
+        """Takes in joined workers until `count` are in (bounded)."""
         timeout, members = self.config.startup_timeout_secs, [0]
 
         def ready() -> bool:
@@ -149,7 +147,7 @@ class Chief(WorkerRole):
         joined = {r["worker"] for r in watch.records}
         never = {k for k in range(workers)
                  if k not in joined and k not in (self.k, self._gone)}
-        deadline = time.monotonic() + FINISH_WAIT_SECS
+        deadline = time.monotonic() + ending.FINISH_WAIT_SECS
         while never and time.monotonic() < deadline:
             roster = self._absorb()
             came = {k for k in never if roster[k]}
@@ -198,7 +196,8 @@ class Chief(WorkerRole):
                 if members < self.config.min_workers else None)
             if reason and start >= 0:
                 self._save_and_stop(logdir, start, reason)
-                self._shut_down_ps(failed=True)
+                ending.shut_down_ps(self.session, self.g.chief,
+                                    self.task.cluster, failed=True)
                 raise RunFailed(
                     f"{reason}; saved a checkpoint at step {start}; start "
                     "every task again with the same flags to continue "
@@ -208,17 +207,18 @@ class Chief(WorkerRole):
 
         return run_steps
 
-    def _check_still_chief(self, step: int) -> None:
+    def _check_still_chief(self, step: int | None = None) -> None:
         """Raises RunFailed if another worker claimed the chief's role
-        (this one was cut off, frozen or starved meanwhile): its loop
-        applied nothing since (trainer/sync/chief_lock.py)."""
-        epoch, index, _ = self.session.run(self.g.chief.lock.recorded)
-        if epoch != self.epoch:
+        (this one was cut off, frozen or starved meanwhile)."""
+        index = takeover.deposed_by(self.session, self.g.chief.lock,
+                                    self.epoch)
+        if index is not None:
+            at = "" if step is None else f" (at step {step} here)"
             raise RunFailed(
-                f"{self.task.cluster.describe('worker', int(index))} took "
-                f"over the chief's work while this chief was out of reach "
-                f"(at step {step} here); exiting: start this task again to "
-                "join the run as a worker")
+                f"{self.task.cluster.describe('worker', index)} took "
+                f"over the chief's work while this chief was out of reach"
+                f"{at}; exiting: start this task again to join the run as "
+                "a worker")
 
     def _stop_stalled_run(self, step: int | None, who: str) -> None:
         """ps 0 has not answered for --worker_timeout_secs: nothing can be
@@ -230,7 +230,8 @@ class Chief(WorkerRole):
         # cannot be sent, the ps tasks must exit. With other workers, one
         # of them takes over the chief's work (trainer/roles/takeover.py).
         if self.task.cluster.num_workers == 1:
-            self._shut_down_ps(failed=True)
+            ending.shut_down_ps(self.session, self.g.chief,
+                                self.task.cluster, failed=True)
         self.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
                      "stopped; start every task again with the same flags "
                      "to continue from the last checkpoint")
@@ -248,10 +249,12 @@ class Chief(WorkerRole):
 
     def _claim_and_start(self, logdir: pathlib.Path) -> int:
         """Claims the chief's role (trainer/sync/chief_lock.py), takes
-        the state on the ps tasks as it is if taking over, else
+        the state on the ps tasks as it is where it is whole, else
         initializes or restores; then asks every worker in. Returns the
         global step training starts from."""
         ops = self.g.chief
+        if self.epoch is not None:  # reconnecting: still the chief?
+            self._check_still_chief()
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
             self.epoch, lost, self._gone = (claim.epoch, claim.lost,
@@ -260,17 +263,16 @@ class Chief(WorkerRole):
             self.epoch, lost = takeover.claim(
                 self.session, ops.lock, self.k,
                 self.config.worker_timeout_secs)
-        if self.taking_over and not lost:
-            # No restore: the ps tasks hold every step applied, and the
-            # protocol's counts and records of this run go on.
+        # No restore where the ps tasks hold every variable and no write
+        # was cut short: they hold every step applied, and the protocol's
+        # counts and records go on. (TensorFlow's SessionManager would
+        # restore the newest checkpoint over them, redoing steps.)
+        if not lost and not len(self.session.run(ops.uninitialized)):
             step = int(self.session.run(self.g.handles.global_step))
             # results.json counts this chief's steps only.
             self._counted_before = -self.session.run(ops.contributions)
             self._first_round = int(self.session.run(self.g.handles.round))
-            logging.warning(
-                "%s took over the chief's work at step %d (%s); writing "
-                "to %s", self.task.cluster.describe("worker", self.k), step,
-                self.taking_over.reason, logdir.resolve())
+            self._log_start(step, logdir)
         else:
             if lost:
                 logging.warning("the last chief was lost inside a write to "
@@ -279,13 +281,22 @@ class Chief(WorkerRole):
             step = self._initialize_or_restore(logdir)
         if self.taking_over:  # our own beat starts within seconds
             self.taking_over.claim.handed_over()
-        # A later reconnect (a ps lost) restores, as worker 0's chief does.
         self.taking_over = None
         coord = self.g.coord
         self.session.run(coord.set_storage_word, {
             coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
+
+    def _log_start(self, step: int, logdir: pathlib.Path) -> None:
+        me = self.task.cluster.describe("worker", self.k)
+        if self.taking_over:
+            logging.warning("%s took over the chief's work at step %d (%s)"
+                            "; writing to %s", me, step,
+                            self.taking_over.reason, logdir.resolve())
+        else:
+            logging.info("%s goes on from the state on the ps tasks at "
+                         "step %d (nothing to restore)", me, step)
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         ops = self.g.chief
@@ -316,35 +327,3 @@ class Chief(WorkerRole):
         checkpoints.save(self.g.chief.saver, self.session, logdir, step)
         self._counted_at_save[step] = self._counted_before + self.session.run(
             self.g.chief.contributions)
-
-    def _collect_finished(self) -> dict:
-        """The gradients the other workers say they pushed, reported as
-        they finish; waits only for those still in the roster."""
-        roster = self.session.run(self.g.chief.roster)
-        expected = {k for k in range(len(roster)) if roster[k] and k != self.k}
-        reports = {}
-        deadline = time.monotonic() + FINISH_WAIT_SECS
-        while not expected <= reports.keys() and time.monotonic() < deadline:
-            workers, steps = self.session.run(self.g.chief.take_finished)
-            reports.update(zip(workers.tolist(), steps.tolist()))
-            if not expected <= reports.keys():
-                time.sleep(POLL_SECS)
-        missing = sorted(expected - reports.keys())
-        if missing:
-            logging.warning("no end-of-training report from %s",
-                            ", ".join(self.task.cluster.describe("worker", k)
-                                      for k in missing))
-        return reports
-
-    def _shut_down_ps(self, failed: bool = False) -> None:
-        """Tells every ps task to exit (with status 1 if the run failed)."""
-        ops = self.g.chief
-        options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
-        for i, op in enumerate(ops.shutdown_ops):
-            try:
-                self.session.run(op, {ops.shutdown_status: int(failed)},
-                                 options=options)
-            except tf.errors.OpError as e:
-                logging.warning("could not tell %s to exit: %s",
-                                self.task.cluster.describe("ps", i),
-                                error_summary(e))

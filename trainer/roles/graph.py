@@ -66,6 +66,7 @@ class ChiefOps:
     """What only the chief runs: set-up, evaluation, checkpoints, the end."""
 
     init_op: tf.Operation
+    uninitialized: tf.Tensor          # string [n]: global variables not set
     transient_init_op: tf.Operation   # sync state a restore does not cover
     start_op: tf.Operation            # REJOIN to every worker
     mark_ready_op: tf.Operation       # tells the workers to go
@@ -229,6 +230,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     return ChiefOps(
         epoch=rule.epoch, lock=rule.lock,
         init_op=init_op,
+        uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(
             state_lib.transient_variables()),
         start_op=coord.start_op(),

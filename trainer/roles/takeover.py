@@ -92,6 +92,17 @@ def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
     return epoch, lost
 
 
+def deposed_by(session, lock, epoch: int) -> int | None:
+    """The worker that claimed the chief's role after `epoch`, or None:
+    a chief so deposed applied nothing since (trainer/sync/chief_lock.py).
+    A fresh ps 0 (no record yet) has no other chief."""
+    try:
+        recorded = session.run(lock.recorded)
+    except tf.errors.FailedPreconditionError:
+        return None
+    return None if recorded[EPOCH] == epoch else int(recorded[INDEX])
+
+
 class ChiefBeat(BackgroundThread):
     """The chief's beat: beat() every BEAT_SECS while the chief runs."""
 

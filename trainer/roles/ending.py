@@ -1,0 +1,44 @@
+"""The end of a run, on the chief: the workers' reports, and telling every
+ps task to exit. (The chief's side is trainer/roles/chief.py.)"""
+
+import time
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.common.tf_session import error_summary
+from trainer.roles.lifecycle import POLL_SECS
+
+FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
+
+
+def collect_reports(session, ops, cluster, chief: int) -> dict:
+    """worker -> the gradients it says it pushed, reported as the workers
+    finish; waits (at most FINISH_WAIT_SECS) only for those still in the
+    roster. ops: the ChiefOps; chief: our own worker index."""
+    roster = session.run(ops.roster)
+    expected = {k for k in range(len(roster)) if roster[k] and k != chief}
+    reports = {}
+    deadline = time.monotonic() + FINISH_WAIT_SECS
+    while not expected <= reports.keys() and time.monotonic() < deadline:
+        workers, steps = session.run(ops.take_finished)
+        reports.update(zip(workers.tolist(), steps.tolist()))
+        if not expected <= reports.keys():
+            time.sleep(POLL_SECS)
+    missing = sorted(expected - reports.keys())
+    if missing:
+        logging.warning("no end-of-training report from %s", ", ".join(
+            cluster.describe("worker", k) for k in missing))
+    return reports
+
+
+def shut_down_ps(session, ops, cluster, failed: bool = False) -> None:
+    """Tells every ps task to exit (with status 1 if the run failed)."""
+    options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
+    for i, op in enumerate(ops.shutdown_ops):
+        try:
+            session.run(op, {ops.shutdown_status: int(failed)},
+                        options=options)
+        except tf.errors.OpError as e:
+            logging.warning("could not tell %s to exit: %s",
+                            cluster.describe("ps", i), error_summary(e))
