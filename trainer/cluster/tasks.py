@@ -43,6 +43,7 @@ NOISE = re.compile(
 STOP_SIGNAL_GRACE_SECS = 5.0
 _CHIEF_STOP_SECS = 30.0     # Ctrl-C: how long the chief may take to save
 CHIEF = "worker0"
+INPUT_ERROR_STATUS = 2   # bad input (trainer/flags.py): every task has it
 
 
 class TaskProcess(processes.Child):
@@ -162,7 +163,8 @@ class Restarts:
         if task.job == "ps":
             return self._again(task, tasks, self.ps_allowed, "--ps_restarts",
                                "the run stops")
-        if task.name == CHIEF and self.num_workers == 1:
+        if task.name == CHIEF and (self.num_workers == 1 or task.poll()
+                                   == INPUT_ERROR_STATUS):
             return False
         if task.unreachable:  # not the worker's failure: try until it's back
             if task.index not in self.unreachable:

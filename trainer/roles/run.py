@@ -16,6 +16,7 @@ from trainer.learning import data as data_lib
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles import ps
+from trainer.roles import lifecycle
 from trainer.roles import takeover
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
@@ -58,7 +59,11 @@ def run(config: TrainConfig, task: Task) -> None:
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
     """Whether another worker does the chief's work now (worker 0 started
-    again after a worker took over): then worker 0 joins as a worker."""
+    again after a worker took over): then worker 0 joins as a worker.
+    Asked once every ps task answers, as the chief would wait anyway."""
+    if task.cluster.num_workers == 1:
+        return False
+    lifecycle.wait_for_ps(task, config.startup_timeout_secs)
     index = takeover.acting_chief(server.target, task, config)
     if index is None or index == task.task_index:
         return False

@@ -187,15 +187,10 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 def acting_chief(target: str, task, config) -> int | None:
     """The worker that does the chief's work now, if its beat goes on
     (read twice, BEAT_SECS x 6 apart); None if none does, or ps 0 does
-    not answer within --startup_timeout_secs (a first start: then there
-    is none). Waits for ps 0 first: a chief started again while its own
-    link is still down must not take the role back from a worker that
-    took it over meanwhile."""
-    deadline = time.monotonic() + config.startup_timeout_secs
-    while ports.answer(task.cluster.ps[0], 1.0, "--ps_hosts") != ports.OPEN:
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(BEAT_SECS)
+    not answer (a first start: then there is none). Call it once ps 0
+    accepts connections: a chief started again while its own link is
+    still down must not take the role back from a worker that took it
+    over meanwhile."""
     graph = tf.Graph()
     with graph.as_default():
         lock = ChiefLock(devices.ps_device(0))
