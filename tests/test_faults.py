@@ -123,7 +123,9 @@ def test_too_few_workers_stop_the_run_then_a_restart_goes_on(
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
-@pytest.mark.parametrize("order", ["", "--ordered_pulls"])
+# With ordered pulls only with --runslow: CI's time.
+@pytest.mark.parametrize("order", [
+    "", pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
 def test_chief_killed_and_its_work_taken_over(cluster, tmp_path, reference,
                                               order):
     """Worker 1 takes over the killed chief's work from the ps state (no
