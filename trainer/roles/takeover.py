@@ -128,6 +128,7 @@ class Judge:
     _seen: tuple | None = None          # (epoch, beats) last seen
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
+    _why: str = ""                      # why it was called lost
 
     def update(self, record, roster, now: float) -> str | None:
         """record: int64 [3] (epoch, index, beats); roster: bool [N].
