@@ -1,4 +1,7 @@
-"""Where things run: device names, variable placement and thread pools."""
+"""Where things run: device names, variable placement and thread pools,
+and how this process's gRPC connections give up on a silent peer."""
+
+import os
 
 import tensorflow as tf
 
@@ -35,6 +38,36 @@ def session_config(config: TrainConfig, task: Task) -> tf.compat.v1.ConfigProto:
         # so it need not wait for them to start.
         proto.device_filters.extend(["/job:ps", worker_device(task.task_index)])
     return proto
+
+
+GRPC_OPTIONS_ENV = "TF_GRPC_DEFAULT_OPTIONS"
+NO_PINGS_MS = 2_000_000_000  # a keepalive period no run reaches
+
+
+def give_up_silent_connections(config: TrainConfig) -> None:
+    """Makes this process's gRPC client connections close once data sent
+    on them stays unacknowledged for --worker_timeout_secs (TCP_USER_TIMEOUT).
+    Call it before the server starts: TensorFlow reads the options once.
+
+    Why: when a host's link is cut, a connection with data in flight waits
+    out TCP's retransmission backoff, which doubles with each try; after a
+    30 s cut its next try can come 25 s after the link is back, and every
+    call on that connection (a ps fetching a worker's gradient, a new
+    session's first run) waits as long. A connection closed meanwhile is
+    opened anew at the first call after the link returns. gRPC sets
+    TCP_USER_TIMEOUT on a client socket only with a keepalive time; the
+    one here is so long that no ping is ever sent (a ps answers frequent
+    pings on a connection that carries no data by closing it). Server
+    sockets have gRPC's own default. Options the user set in
+    TF_GRPC_DEFAULT_OPTIONS win."""
+    ours = {"grpc.keepalive_time_ms": NO_PINGS_MS,
+            "grpc.keepalive_timeout_ms": int(config.worker_timeout_secs * 1000)}
+    theirs = [item for item in os.environ.get(GRPC_OPTIONS_ENV, "").split(",")
+              if item.strip()]
+    named = {item.split("=", 1)[0].strip() for item in theirs}
+    theirs += [f"{key}={value}" for key, value in ours.items()
+               if key not in named]
+    os.environ[GRPC_OPTIONS_ENV] = ",".join(theirs)
 
 
 def _ps_strategy(num_ps: int):

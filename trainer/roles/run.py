@@ -119,6 +119,7 @@ def _quietly(call) -> None:
 
 
 def start_server(config: TrainConfig, task: Task):
+    devices.give_up_silent_connections(config)
     return tf.distribute.Server(
         tf.train.ClusterSpec(task.cluster.as_dict()), job_name=task.job_name,
         task_index=task.task_index,

@@ -1,0 +1,66 @@
+"""A link cut for long: the calls after its return go through at once
+(trainer/cluster/devices.py, give_up_silent_connections).
+
+Needs root and simulated hosts (trainer/bench/simhosts).
+"""
+
+import selectors
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests import helpers
+from trainer.bench.simhosts import hosts
+
+pytestmark = pytest.mark.hosts
+
+CUT_SECS = 30          # long enough for TCP's backoff to pass 20 s
+TIMEOUT_SECS = 3       # --worker_timeout_secs of both tasks
+
+
+@pytest.fixture
+def simulated():
+    try:
+        hosts.check_available()
+    except Exception as e:  # noqa: BLE001 (its one line is the reason)
+        pytest.skip(str(e))
+    with hosts.SimulatedHosts() as made:
+        yield made
+
+
+def start(host, role: str, ps, worker, stdin=None) -> subprocess.Popen:
+    return host.popen(
+        [sys.executable, "-m", "tests.grpc_peer", role, f"{ps.address}:2222",
+         f"{worker.address}:2222", str(TIMEOUT_SECS)],
+        env=helpers.python_env(), stdin=stdin, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True)
+
+
+def test_a_new_session_after_a_long_cut_works_at_once(simulated):
+    """Without give_up_silent_connections, the connection that carried
+    calls when the link went down waits out TCP's backoff after the
+    link's return, and the new session's first call fails (at once, or
+    when TCP tries again up to 25 s later: seen in every run here)."""
+    ps, worker = simulated.add_host("ps"), simulated.add_host("worker")
+    start(ps, "ps", ps, worker)
+    pusher = start(worker, "worker", ps, worker, stdin=subprocess.PIPE)
+    assert _line(pusher, 120) == "pushing"
+    worker.link_down()
+    try:
+        time.sleep(CUT_SECS)
+    finally:
+        worker.link_up()
+    pusher.stdin.write("new session\n")
+    pusher.stdin.flush()
+    assert _line(pusher, 120) == "new session: ok"
+
+
+def _line(process: subprocess.Popen, timeout: float) -> str:
+    """The process's next line of output, waiting at most `timeout` s."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            pytest.fail(f"no output within {timeout:.0f} s")
+    return process.stdout.readline().strip()
