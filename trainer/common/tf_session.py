@@ -15,14 +15,16 @@ def error_summary(error: Exception) -> str:
     return type(error).__name__
 
 
-def make_callable(session, fetches: dict, feeds=()):
+def make_callable(session, fetches: dict, feeds=(), fixed=None):
     """A C++ callable for `fetches` (no per-call Python feed handling).
 
-    Feeds are int64 scalars given positionally; the result is a dict like
-    `fetches`.
+    Feeds are int64 scalars given positionally; `fixed` ({tensor: int64
+    value}) is fed the same value at every call. The result is a dict
+    like `fetches`.
     """
+    fixed = fixed or {}
     options = config_pb2.CallableOptions()
-    for tensor in feeds:
+    for tensor in [*feeds, *fixed]:
         options.feed.append(tensor.name)
     names = {key: tensor.name for key, tensor in fetches.items()}
     for name in names.values():
@@ -30,7 +32,8 @@ def make_callable(session, fetches: dict, feeds=()):
     call = session._make_callable_from_options(options)
 
     def run(*args):
-        values = call(*[np.asarray(a, np.int64) for a in args])
+        values = call(*[np.asarray(a, np.int64)
+                        for a in (*args, *fixed.values())])
         return dict(zip(names, values))
 
     return run

@@ -177,8 +177,8 @@ class WorkerRole(abc.ABC):
                             "(a peer cut off or gone); going on without it",
                             CLOSE_DEADLINE_SECS)
 
-    def callable(self, fetches: dict, feeds=()):
-        return make_callable(self.session, fetches, feeds)
+    def callable(self, fetches: dict, feeds=(), fixed=None):
+        return make_callable(self.session, fetches, feeds, fixed)
 
     def loop_callable(self):
         """(start token int64 [4], count) -> the loop's outputs.
@@ -186,18 +186,15 @@ class WorkerRole(abc.ABC):
         With --trace_steps=A:B, runs of steps that cross [A, B) are split
         so that each step in it runs alone, traced (see trainer/observe/tracing.py).
         """
-        feeds, fixed = [self.g.start_token, self.g.num_steps], {}
-        if self.g.chief:  # the chief's loop writes only in its epoch
-            feeds.append(self.g.chief.epoch)
-            fixed = {self.g.chief.epoch: self.epoch}
-        loop = self.callable(self.g.loop_outputs, feeds)
-        if fixed:
-            loop = _with_epoch(loop, self.epoch)
+        feeds = [self.g.start_token, self.g.num_steps]
+        # The chief's loop writes only in its epoch.
+        fixed = {self.g.chief.epoch: self.epoch} if self.g.chief else {}
+        loop = self.callable(self.g.loop_outputs, feeds, fixed)
         if self.config.trace_range() is None:
             return loop
         return tracing.split_loop(
             loop, tracing.traced_run(self.session, self.g.loop_outputs,
-                                     feeds[:2], fixed),
+                                     feeds, fixed),
             self.config.trace_range(), self.traces)
 
     def watchdog(self, timeout_secs: float, on_timeout,
@@ -275,10 +272,6 @@ class WorkerRole(abc.ABC):
                       "exiting", reason, CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
-
-
-def _with_epoch(run, epoch: int):
-    return lambda token, count: run(token, count, epoch)
 
 
 def _close_quietly(session) -> None:

@@ -54,12 +54,7 @@ class Claim:
     worker index of the chief it replaces."""
 
     def __init__(self, target: str, task, config, index: int):
-        self._graph = tf.Graph()
-        with self._graph.as_default():
-            lock = ChiefLock(devices.ps_device(0))
-        self._session = tf.compat.v1.Session(
-            target, graph=self._graph,
-            config=devices.session_config(config, task))
+        self._session, lock = lock_session(target, task, config)
         self.previous = int(self._session.run(lock.recorded)[INDEX])
         self.epoch, self.lost = claim(self._session, lock, index,
                                       config.worker_timeout_secs)
@@ -70,6 +65,16 @@ class Claim:
         """The chief's own beat runs now: this one stops."""
         self._beat.stop()
         self._session.close()
+
+
+def lock_session(target: str, task, config):
+    """(a session, the ChiefLock): a graph of the lock alone, for a worker
+    that claims or asks about the chief's role outside its own graph."""
+    graph = tf.Graph()
+    with graph.as_default():
+        lock = ChiefLock(devices.ps_device(0))
+    return tf.compat.v1.Session(target, graph=graph, config=(
+        devices.session_config(config, task))), lock
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
@@ -192,13 +197,10 @@ def acting_chief(target: str, task, config) -> int | None:
     accepts connections: a chief started again while its own link is
     still down must not take the role back from a worker that took it
     over meanwhile."""
-    graph = tf.Graph()
-    with graph.as_default():
-        lock = ChiefLock(devices.ps_device(0))
     options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
+    session, lock = lock_session(target, task, config)
     try:
-        with tf.compat.v1.Session(target, graph=graph, config=(
-                devices.session_config(config, task))) as session:
+        with session:
             if not session.run(lock.is_recorded, options=options):
                 return None
             first = session.run(lock.recorded, options=options)
