@@ -116,3 +116,13 @@ def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):
     (other / storage.MARK_FILE).write_text("another chief's\n")
     assert storage.warn_if_elsewhere(str(other), lambda: word.encode())
     assert not storage.warn_if_elsewhere(str(other), lambda: b"")
+
+
+def test_a_spare_gives_what_it_built_or_raises_its_error():
+    assert takeover.Spare(lambda: 42).get() == 42
+
+    def fails():
+        raise ValueError("no test set")
+
+    with pytest.raises(ValueError, match="no test set"):
+        takeover.Spare(fails).get()

@@ -49,7 +49,9 @@ class WorkerRole(abc.ABC):
     """
 
     def __init__(self, config: TrainConfig, task: Task, server,
-                 mnist: Mnist, as_chief: bool = False):
+                 mnist: Mnist, as_chief: bool = False,
+                 graph: worker_graph.WorkerGraph | None = None):
+        """graph: built beforehand (a spare chief's), or None to build."""
         self.config, self.task, self.server = config, task, server
         self.mnist = mnist
         self.k = task.task_index
@@ -67,7 +69,7 @@ class WorkerRole(abc.ABC):
         self._taking_over = None   # why this worker takes over the chief
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
-        self.g = worker_graph.build_worker(
+        self.g = graph or worker_graph.build_worker(
             config, task, len(mnist.train_labels),
             max(len(mnist.test_labels), 1), self.train_steps, as_chief)
 

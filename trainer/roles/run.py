@@ -18,6 +18,7 @@ from trainer.cluster import ports
 from trainer.roles import ps
 from trainer.roles import lifecycle
 from trainer.roles import takeover
+from trainer.roles import graph as worker_graph
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
@@ -51,10 +52,11 @@ def run(config: TrainConfig, task: Task) -> None:
     as_chief = task.is_chief and not _another_chief(config, task, server)
     role = (Chief if as_chief else Worker)(config, task, server, mnist)
     _running.append(role)
+    spare = None if as_chief else _spare_chief(config, task, data_dir, role)
     try:
         role.run()
     except takeover.TakeOver as e:
-        _take_over(config, task, server, data_dir, e)
+        _take_over(config, task, server, role, spare, e)
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
@@ -72,15 +74,37 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
     return True
 
 
-def _take_over(config: TrainConfig, task: Task, server, data_dir,
-               claimed: takeover.TakeOver) -> None:
+def _spare_chief(config: TrainConfig, task: Task, data_dir,
+                 worker: Worker) -> takeover.Spare | None:
+    """The chief's side of this worker, built beside its training: with
+    other workers, this one may take over the chief's work, and building
+    the chief's graph then would stall the run for as long as the build
+    takes (tens of seconds on a starved host)."""
+    if task.cluster.num_workers == 1:
+        return None
+
+    def build():
+        test = data_lib.load(data_dir, config.download,
+                             data_lib.mirror_list(config.data_url),
+                             need_train=False)
+        mnist = data_lib.Mnist(worker.mnist.train_images,
+                               worker.mnist.train_labels, test.test_images,
+                               test.test_labels)
+        return mnist, worker_graph.build_worker(
+            config, task, len(mnist.train_labels), len(mnist.test_labels),
+            worker.train_steps, as_chief=True)
+
+    return takeover.Spare(build)
+
+
+def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
+               spare: takeover.Spare, claimed: takeover.TakeOver) -> None:
     """This worker's process takes over the chief's work, on the same
-    server: the chief's graph, the test set, the logdir."""
+    server: the chief's graph (the spare's), the test set, the logdir."""
     checkpoints.prepare_logdir(config.logdir)
-    mnist = data_lib.load(data_dir, config.download,
-                          data_lib.mirror_list(config.data_url),
-                          need_test=True)
-    chief = Chief(config, task, server, mnist, taking_over=claimed)
+    mnist, graph = spare.get()
+    chief = Chief(config, task, server, mnist, taking_over=claimed,
+                  graph=graph)
     _running[:] = [chief]
     chief.run()
 

@@ -23,6 +23,7 @@ goes on from the state on the ps tasks: no step is redone.
 """
 
 import dataclasses
+import threading
 import time
 from typing import Callable
 
@@ -182,6 +183,30 @@ class ChiefWatch(BackgroundThread):
                         "its work", reason)
         self._on_lost(reason)
         return False
+
+
+class Spare:
+    """What a worker needs to take over, built on a thread of its own:
+    `get()` waits for it and returns build()'s value, or raises its
+    error."""
+
+    def __init__(self, build: Callable[[], object]):
+        self._value, self._error = None, None
+        self._thread = threading.Thread(target=self._build, args=(build,),
+                                        daemon=True, name="spare-chief")
+        self._thread.start()
+
+    def _build(self, build) -> None:
+        try:
+            self._value = build()
+        except Exception as e:  # noqa: BLE001 (raised by get)
+            self._error = e
+
+    def get(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:
