@@ -40,8 +40,11 @@ def test_a_hand_written_schedule_is_parsed_or_refused():
                       schedule.Fault("kill", "worker2", 50, None)]
     assert schedule.parse("cut:worker0:20:5") == [
         schedule.Fault("cut", "worker0", 20, 5.0)]   # the chief
+    assert schedule.parse("kill:ps1:20:5") == [
+        schedule.Fault("kill", "ps1", 20, 5.0)]
     for bad in ("cut:worker1:20", "term:worker0:20:5", "melt:worker1:2:3",
-                "cut:ps0:20:5", "cut:worker1:x:5"):
+                "kill:ps0:20:never", "term:ps0:20:5", "cut:chief:20:5",
+                "cut:worker1:x:5"):
         with pytest.raises(ValueError, match="bad fault"):
             schedule.parse(bad)
 
@@ -55,6 +58,21 @@ def test_the_chief_is_a_target_only_when_asked():
     for seed in range(20):   # every schedule hits the chief
         assert any(f.task == "worker0" for f in schedule.draw(
             seed, 4, 300, 4, chief=True))
+
+
+def test_a_ps_is_a_target_only_when_asked_and_a_killed_ps_comes_back():
+    assert all(f.task.startswith("worker")
+               for f in schedule.draw(5, 4, 600, 40, chief=True))
+    # The same seed draws the same worker faults but the one the ps
+    # fault replaces.
+    assert len(set(schedule.draw(7, 4, 300, 4)) - set(
+        schedule.draw(7, 4, 300, 4, ps=2))) == 1
+    for seed in range(30):
+        on_ps = [f for f in schedule.draw(seed, 4, 300, 4, ps=2)
+                 if f.task.startswith("ps")]
+        assert len(on_ps) == 1 and on_ps[0].task in ("ps0", "ps1")
+        assert on_ps[0].kind in schedule.PS_KINDS
+        assert on_ps[0].secs is not None
 
 
 def test_durations_can_be_capped():
@@ -102,6 +120,8 @@ def test_the_checker_finds_steps_redone(tmp_path):
         "(log 1)"]
     lost = "W1127 the last chief was lost inside a write to the ps tasks"
     assert checker.steps(logdir, [lost + "\n" + restore], 4) == []
+    # A ps killed lost its variables: restoring is the way back.
+    assert checker.steps(logdir, [restore], 4, ps_killed=True) == []
 
 
 def test_the_checker_judges_exit_statuses():

@@ -47,6 +47,10 @@ flags.DEFINE_integer("ps", 1, "ps tasks.", lower_bound=1)
 flags.DEFINE_boolean("chief_faults", False, "Draw faults on the chief "
                      "(worker 0) too: its work then moves to another "
                      "worker (all kinds but term, which stops the run).")
+flags.DEFINE_boolean("ps_faults", False, "Draw one fault per schedule on "
+                     "a ps task (all kinds but term; a killed ps is "
+                     "started again, and the chief restores the newest "
+                     "checkpoint).")
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
 flags.DEFINE_integer("train_steps", 600, "Global steps of each run.",
                      lower_bound=20)
@@ -96,7 +100,8 @@ def yardstick() -> float:
 def replay_command(seed: int) -> str:
     """The command that runs schedule `seed` alone."""
     names = ("schedule", "faults", "max_fault_secs", "covering",
-             "workers", "ps", "chief_faults", "model", "train_steps", "hosts", "kinds", "cpu",
+             "workers", "ps", "chief_faults", "ps_faults", "model",
+             "train_steps", "hosts", "kinds", "cpu",
              "training_cpu", "link_rate", "worker_timeout_secs",
              "yardstick", "deterministic", "train_flags", "data_dir")
     args = [f"--{n}={','.join(v) if isinstance(v, list) else v}"
@@ -115,7 +120,8 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     record_path = outcome.logdir / checker.RECORD_FILE
     record = np.load(record_path) if record_path.exists() else None
     problems = (param_problems
-                + checker.steps(outcome.logdir, logs, FLAGS.train_steps)
+                + checker.steps(outcome.logdir, logs, FLAGS.train_steps,
+                                checker.ps_killed(outcome))
                 + checker.statuses(outcome.codes, faults,
                                    outcome.faults_in_effect,
                                    outcome.stopped_late,

@@ -9,7 +9,8 @@ Each check returns a list of problems (empty: passed):
     each example once (the chief's per-step record, averaged_by_step.npy),
     the global step never went back (the chief's progress lines), and no
     chief restored a checkpoint (a run that starts fresh redoes steps
-    only by a restore; allowed after a chief killed inside a write);
+    only by a restore; allowed after a chief killed inside a write, and
+    after a ps killed, which lost its variables);
   * `statuses`: every task ended, with status 0 except one killed or
     stopped for good, one still cut off when the run ended, or a chief
     whose work moved to another worker while it was out of reach (it
@@ -82,9 +83,10 @@ def parameters(reference: dict, logdir: pathlib.Path,
 
 
 def steps(logdir: pathlib.Path, chief_logs: list[str],
-          train_steps: int) -> list:
+          train_steps: int, ps_killed: bool = False) -> list:
     """Per-step averaging (this launch of the chief) and the global step's
-    progress in every chief log."""
+    progress in every chief log; a restore passes only after a ps was
+    killed (`ps_killed`) or a chief was lost inside a write."""
     problems = []
     path, results_path = logdir / RECORD_FILE, logdir / "results.json"
     if not path.exists() or not results_path.exists():
@@ -105,10 +107,16 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
             problems.append(f"the global step went back in the chief's "
                             f"log {i}")
         restored = _RESTORED.search(text)
-        if restored and _LOST_INSIDE not in text:
+        if restored and _LOST_INSIDE not in text and not ps_killed:
             problems.append(f"steps redone: a chief {restored.group(0)} "
                             f"(log {i})")
     return problems
+
+
+def ps_killed(outcome) -> bool:
+    """Whether a ps task was killed (its variables are gone)."""
+    return any(task.startswith("ps") and what == schedule_lib.KILL
+               for _, _, task, what in outcome.history)
 
 
 def deposed(outcome) -> set[str]:

@@ -59,7 +59,8 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
             else:
                 faults = schedule_lib.draw(
                     seed, setup.workers, flags.train_steps, flags.faults,
-                    kinds, flags.max_fault_secs, flags.chief_faults)
+                    kinds, flags.max_fault_secs, flags.chief_faults,
+                    setup.ps if flags.ps_faults else 0)
             started = time.monotonic()
             outcome = run_lib.run_schedule(
                 setup, faults, out / f"schedule-{seed}", sim,

@@ -8,9 +8,10 @@ start, whose work then moves to another worker (trainer/roles/takeover.py).
 SIGTERM is not among the chief's faults: it stops the whole run on
 purpose (a checkpoint, then every task; the launcher's Ctrl-C), and a
 term drawn for a worker that does the chief's work by then is not sent
-(trainer/bench/nemesis/cluster.py). ps faults
-are not drawn yet; `Fault.task` names the task so that they can be added
-without changing the format.
+(trainer/bench/nemesis/cluster.py). With `ps=True` one fault hits a
+ps task: a kill is always undone by a restart (a ps lost for good ends
+the run until it is back: its shards exist nowhere else), and term is
+not drawn.
 """
 
 import dataclasses
@@ -39,6 +40,7 @@ DURATION = {KILL: (1.0, 20.0), TERM: (1.0, 20.0), STOP: (1.0, 30.0),
 NEVER_BACK = 0.25
 CHIEF = "worker0"
 CHIEF_KINDS = tuple(k for k in KINDS if k != TERM)
+PS_KINDS = CHIEF_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,11 @@ class Fault:
 
 def draw(seed: int, workers: int, train_steps: int, faults: int,
          kinds=KINDS, max_secs: float | None = None,
-         chief: bool = False) -> list[Fault]:
+         chief: bool = False, ps: int = 0) -> list[Fault]:
     """`faults` faults of random kinds on workers 1..workers-1 (0 too with
-    `chief`, at least once, by a kind of CHIEF_KINDS), sorted by step,
-    none lasting over max_secs; the same arguments give the same list."""
+    `chief`, at least once, by a kind of CHIEF_KINDS; and the last one
+    on one of `ps` ps tasks, by a kind of PS_KINDS), sorted by step, none
+    lasting over max_secs; the same arguments give the same list."""
     rng = random.Random(seed)
     drawn = [_one(rng, rng.choice(list(kinds)), workers, train_steps,
                   max_secs, chief) for _ in range(faults)]
@@ -72,6 +75,15 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
         first = _one(rng, rng.choice(chief_kinds), workers, train_steps,
                      max_secs)
         drawn[0] = dataclasses.replace(first, task=CHIEF)
+    ps_kinds = [k for k in kinds if k in PS_KINDS]
+    if ps and len(drawn) > 1 and ps_kinds:
+        fault = _one(rng, rng.choice(ps_kinds), workers, train_steps,
+                     max_secs)
+        secs = fault.secs
+        if secs is None:  # a ps killed comes back
+            secs = round(rng.uniform(*DURATION[KILL]), 1)
+        drawn[-1] = dataclasses.replace(fault, task=f"ps{rng.randrange(ps)}",
+                                        secs=secs)
     return _sorted(drawn)
 
 
@@ -121,13 +133,24 @@ def parse(text: str) -> list[Fault]:
         except ValueError:
             raise ValueError(f"bad fault {item!r}; write kind:task:step:secs"
                              ", e.g. cut:worker1:100:30") from None
-        if kind not in KINDS or not task.startswith("worker") or \
-                not task[6:].isdigit() or (task == CHIEF and
-                                           kind not in CHIEF_KINDS):
+        if not _allowed(fault):
             raise ValueError(f"bad fault {item!r}: the kind is one of "
                              f"{', '.join(KINDS)} and the task worker0, "
                              f"worker1, ... (worker0, the chief: "
-                             f"{', '.join(CHIEF_KINDS)})")
+                             f"{', '.join(CHIEF_KINDS)}), or ps0, ps1, "
+                             f"... ({', '.join(PS_KINDS)}; a kill comes "
+                             "back)")
         faults.append(fault)
     return _sorted(faults)
 
+
+
+def _allowed(fault: Fault) -> bool:
+    job = fault.task.rstrip("0123456789")
+    index = fault.task[len(job):]
+    if fault.kind not in KINDS or not index.isdigit():
+        return False
+    if job == "ps":
+        return fault.kind in PS_KINDS and fault.secs is not None
+    return job == "worker" and (fault.task != CHIEF
+                                or fault.kind in CHIEF_KINDS)
