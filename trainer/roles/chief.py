@@ -226,12 +226,19 @@ class Chief(WorkerRole):
         the membership watch's thread."""
         timeout = f"{self.config.worker_timeout_secs:.0f} s"
         at = "" if step is None else f" at step {step}"
+        # With other workers, this chief waits as they do: its blocked
+        # run fails once the connection gives up (cluster/devices.py), and
+        # it reconnects when ps 0 answers, going on as the chief unless a
+        # worker that could reach ps 0 took over meanwhile (then it exits
+        # with one line: _check_still_chief).
+        if self.task.cluster.num_workers > 1:
+            logging.warning("%s for %s (--worker_timeout_secs)%s; waiting "
+                            "for it", who, timeout, at)
+            return
         # Alone, nothing can go on without this chief: even when the stop
-        # cannot be sent, the ps tasks must exit. With other workers, one
-        # of them takes over the chief's work (trainer/roles/takeover.py).
-        if self.task.cluster.num_workers == 1:
-            ending.shut_down_ps(self.session, self.g.chief,
-                                self.task.cluster, failed=True)
+        # cannot be sent, the ps tasks must exit.
+        ending.shut_down_ps(self.session, self.g.chief, self.task.cluster,
+                            failed=True)
         self.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
                      "stopped; start every task again with the same flags "
                      "to continue from the last checkpoint")

@@ -136,6 +136,11 @@ class Judge:
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
 
+    def forget(self) -> None:
+        """ps 0 did not answer: silence is measured anew from the next
+        reading (a chief cut off from ps 0 with us is not judged by it)."""
+        self._seen = None
+
     def update(self, record, roster, now: float) -> str | None:
         """record: int64 [3] (epoch, index, beats); roster: bool [N].
         Returns why to take over now, or None."""
@@ -175,6 +180,7 @@ class ChiefWatch(BackgroundThread):
         try:
             record, roster = self._read()
         except Exception:  # noqa: BLE001 (no record yet, or ps 0 away)
+            self._judge.forget()
             return None
         reason = self._judge.update(record, roster, time.monotonic())
         if reason is None:
