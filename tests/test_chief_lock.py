@@ -75,6 +75,17 @@ def judge(me, refused=()):
 ROSTER = np.array([True, True, True, True])
 
 
+def test_silence_counts_only_while_ps_0_answers():
+    j = judge(1)
+    assert j.update([1, 0, 7], ROSTER, 0.0) is None
+    j.forget()   # ps 0 did not answer from here to 30 s
+    # The beats have not moved since 0 s, but nothing could be read: the
+    # silence is measured from the first reading after.
+    assert j.update([1, 0, 7], ROSTER, 30.0) is None
+    assert j.update([1, 0, 7], ROSTER, 34.9) is None
+    assert "no beat for 5 s" in j.update([1, 0, 7], ROSTER, 35.0)
+
+
 def test_the_lowest_member_takes_over_after_the_timeout():
     j1, j2 = judge(1), judge(2)
     for j in (j1, j2):
