@@ -4,6 +4,7 @@
 Needs root and simulated hosts (trainer/bench/simhosts).
 """
 
+import os
 import selectors
 import subprocess
 import sys
@@ -13,8 +14,6 @@ import pytest
 
 from tests import helpers
 from trainer.bench.simhosts import hosts
-
-pytestmark = pytest.mark.hosts
 
 CUT_SECS = 30          # long enough for TCP's backoff to pass 20 s
 TIMEOUT_SECS = 3       # --worker_timeout_secs of both tasks
@@ -38,6 +37,7 @@ def start(host, role: str, ps, worker, stdin=None) -> subprocess.Popen:
         stderr=subprocess.DEVNULL, text=True)
 
 
+@pytest.mark.hosts
 def test_a_new_session_after_a_long_cut_works_at_once(simulated):
     """Without give_up_silent_connections, the connection that carried
     calls when the link went down waits out TCP's backoff after the
@@ -64,3 +64,21 @@ def _line(process: subprocess.Popen, timeout: float) -> str:
         if not selector.select(timeout):
             pytest.fail(f"no output within {timeout:.0f} s")
     return process.stdout.readline().strip()
+
+
+def test_the_users_grpc_options_win(monkeypatch):
+    from trainer.cluster import devices
+    from trainer.common.config import TrainConfig
+    monkeypatch.setenv(devices.GRPC_OPTIONS_ENV,
+                       "grpc.keepalive_timeout_ms=500,grpc.x=1")
+    devices.give_up_silent_connections(
+        TrainConfig(logdir="unused", worker_timeout_secs=7))
+    assert os.environ[devices.GRPC_OPTIONS_ENV].split(",") == [
+        "grpc.keepalive_timeout_ms=500", "grpc.x=1",
+        f"grpc.keepalive_time_ms={devices.NO_PINGS_MS}"]
+    monkeypatch.delenv(devices.GRPC_OPTIONS_ENV)
+    devices.give_up_silent_connections(
+        TrainConfig(logdir="unused", worker_timeout_secs=7))
+    assert os.environ[devices.GRPC_OPTIONS_ENV].split(",") == [
+        f"grpc.keepalive_time_ms={devices.NO_PINGS_MS}",
+        "grpc.keepalive_timeout_ms=7000"]
