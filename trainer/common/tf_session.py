@@ -19,8 +19,8 @@ def make_callable(session, fetches: dict, feeds=(), fixed=None):
     """A C++ callable for `fetches` (no per-call Python feed handling).
 
     Feeds are int64 scalars given positionally; `fixed` ({tensor: int64
-    value}) is fed the same value at every call. The result is a dict
-    like `fetches`.
+    value}) is fed its values as they are at each call (a caller may set
+    them later). The result is a dict like `fetches`.
     """
     fixed = fixed or {}
     options = config_pb2.CallableOptions()

@@ -50,8 +50,10 @@ class WorkerRole(abc.ABC):
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, as_chief: bool = False,
-                 graph: worker_graph.WorkerGraph | None = None):
-        """graph: built beforehand (a spare chief's), or None to build."""
+                 graph: worker_graph.WorkerGraph | None = None,
+                 warmed: takeover.Warmed | None = None):
+        """graph: built beforehand (a spare chief's), or None to build;
+        warmed: a session on it for the first connect, or None."""
         self.config, self.task, self.server = config, task, server
         self.mnist = mnist
         self.k = task.task_index
@@ -67,6 +69,9 @@ class WorkerRole(abc.ABC):
         self.at_step = None
         self.epoch = None          # the chief's epoch, once claimed
         self._taking_over = None   # why this worker takes over the chief
+        self._warmed = warmed      # for the first connect only
+        self._warm_loop = None     # a Warmed: its loop is made
+        self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         self.g = graph or worker_graph.build_worker(
@@ -121,7 +126,9 @@ class WorkerRole(abc.ABC):
 
     def _connect(self) -> None:
         wait_for_ps(self.task, self.config.startup_timeout_secs)
-        self.session = tf.compat.v1.Session(
+        warmed, self._warmed = self._warmed, None
+        self._warm_loop = warmed
+        self.session = warmed.session if warmed else tf.compat.v1.Session(
             self.server.target, graph=self.g.graph,
             config=devices.session_config(self.config, self.task))
         self.g.trainset.initialize(self.session, self.mnist.train_images,
@@ -189,9 +196,14 @@ class WorkerRole(abc.ABC):
         so that each step in it runs alone, traced (see trainer/observe/tracing.py).
         """
         feeds = [self.g.start_token, self.g.num_steps]
-        # The chief's loop writes only in its epoch.
-        fixed = {self.g.chief.epoch: self.epoch} if self.g.chief else {}
-        loop = self.callable(self.g.loop_outputs, feeds, fixed)
+        warmed, self._warm_loop = self._warm_loop, None
+        if warmed:   # made and placed beforehand on this session
+            loop, fixed = warmed.loop, warmed.epoch
+        else:
+            fixed = {self.g.chief.epoch: None} if self.g.chief else {}
+            loop = self.callable(self.g.loop_outputs, feeds, fixed)
+        if self.g.chief:  # the chief's loop writes only in its epoch
+            fixed[self.g.chief.epoch] = self.epoch
         if self.config.trace_range() is None:
             return loop
         return tracing.split_loop(

@@ -23,6 +23,7 @@ from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import edge
+from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.worker import Worker
 
 
@@ -78,8 +79,10 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
                  worker: Worker) -> takeover.Spare | None:
     """The chief's side of this worker, built beside its training: with
     other workers, this one may take over the chief's work, and building
-    the chief's graph then would stall the run for as long as the build
-    takes (tens of seconds on a starved host)."""
+    the chief's graph then, and placing its loop on every task, would
+    stall the run as long as they take (tens of seconds on a starved
+    host). Returns a Spare of (Mnist with the test set, WorkerGraph,
+    takeover.Warmed or None)."""
     if task.cluster.num_workers == 1:
         return None
 
@@ -90,11 +93,36 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
         mnist = data_lib.Mnist(worker.mnist.train_images,
                                worker.mnist.train_labels, test.test_images,
                                test.test_labels)
-        return mnist, worker_graph.build_worker(
+        graph = worker_graph.build_worker(
             config, task, len(mnist.train_labels), len(mnist.test_labels),
             worker.train_steps, as_chief=True)
+        # The variables the loop reads exist once the chief took us in.
+        if not worker.in_the_run.wait(config.startup_timeout_secs):
+            return mnist, graph, None
+        return mnist, graph, _warmed(config, task, worker.server, graph)
 
     return takeover.Spare(build)
+
+
+def _warmed(config: TrainConfig, task: Task, server,
+            graph: worker_graph.WorkerGraph) -> takeover.Warmed | None:
+    """A session on the spare chief's graph whose loop is made and placed
+    on every task by a run of 0 steps (it only reads), or None if that
+    failed (a ps lost meanwhile): the takeover then does it."""
+    session = tf.compat.v1.Session(
+        server.target, graph=graph.graph,
+        config=devices.session_config(config, task))
+    epoch = {graph.chief.epoch: -1}   # no chief's: the loop writes nothing
+    try:
+        loop = make_callable(session, graph.loop_outputs,
+                             [graph.start_token, graph.num_steps], epoch)
+        loop(lifecycle.token_of(0), 0)
+    except tf.errors.OpError as e:
+        logging.info("the spare chief's loop was not placed: %s",
+                     error_summary(e))
+        session.close()
+        return None
+    return takeover.Warmed(session, loop, epoch)
 
 
 def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
@@ -102,9 +130,10 @@ def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
     """This worker's process takes over the chief's work, on the same
     server: the chief's graph (the spare's), the test set, the logdir."""
     checkpoints.prepare_logdir(config.logdir)
-    mnist, graph = spare.get()
+    worker.in_the_run.set()   # taking over before joining: wait no more
+    mnist, graph, warmed = spare.get()
     chief = Chief(config, task, server, mnist, taking_over=claimed,
-                  graph=graph)
+                  graph=graph, warmed=warmed)
     _running[:] = [chief]
     chief.run()
 

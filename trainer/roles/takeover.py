@@ -191,6 +191,17 @@ class ChiefWatch(BackgroundThread):
         return False
 
 
+@dataclasses.dataclass
+class Warmed:
+    """A session opened beforehand on the chief's graph by a spare, with
+    the loop's callable made and placed on every task (run.py).
+    `epoch` is the loop's fixed feed: set once the role is claimed."""
+
+    session: tf.compat.v1.Session
+    loop: Callable
+    epoch: dict
+
+
 class Spare:
     """What a worker needs to take over, built on a thread of its own:
     `get()` waits for it and returns build()'s value, or raises its

@@ -109,6 +109,7 @@ class Worker(WorkerRole):
             token = self.session.run(h.next_token)
         logging.info("worker %d joined at global step %d", self.k,
                      max(int(token[0]), 0))
+        self.in_the_run.set()
         return token
 
     def leave(self) -> None:
