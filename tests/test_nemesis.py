@@ -172,6 +172,12 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     assert [r[2] for r in checker.returns(outcome)] == ["end cut"]
     record[115, 2] = 1
     assert checker.rejoined(outcome, record, 10.0) == []
+    # Back after the last step (seed 503): there was nothing to average,
+    # even if the run ended (ps 0 exited) later than the bound.
+    outcome.history = history[:2] + [(t0 + 250, 200, "worker1", "end cut")]
+    outcome.steps_seen = steps_seen + [(t0 + 250, 200)]
+    outcome.ended_at = t0 + 300
+    assert checker.rejoined(outcome, record, 10.0) == []
 
 
 @pytest.mark.hosts

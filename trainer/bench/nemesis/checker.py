@@ -7,7 +7,8 @@ Each check returns a list of problems (empty: passed):
     b| / max |a| per variable);
   * `steps`: every step of this run averaged exactly the global batch,
     each example once (the chief's per-step record, averaged_by_step.npy),
-    the global step never went back (the chief's progress lines), and no
+    the global step never went back (the chief's progress lines; but
+    after a ps killed, see below), and no
     chief restored a checkpoint (a run that starts fresh redoes steps
     only by a restore; allowed after a chief killed inside a write, and
     after a ps killed, which lost its variables);
@@ -103,7 +104,8 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     for i, text in enumerate(chief_logs):
         seen = [p["step"] for p in map(progress_line.parse_progress_line,
                                        text.splitlines()) if p]
-        if any(b < a for a, b in zip(seen, seen[1:])):
+        # A ps killed lost its variables: the restore takes the step back.
+        if not ps_killed and any(b < a for a, b in zip(seen, seen[1:])):
             problems.append(f"the global step went back in the chief's "
                             f"log {i}")
         restored = _RESTORED.search(text)
@@ -169,6 +171,8 @@ def rejoined(outcome, record: np.ndarray | None,
             continue  # the run ended, or it was hit again, first
         step_then = _step_at(outcome.steps_seen, when)
         step_due = _step_at(outcome.steps_seen, deadline)
+        if step_then >= len(record):
+            continue  # back after the last step: nothing left to average
         if not record[step_then:step_due + 1, 1 + k].any():
             problems.append(f"{task} back at step {step_then} ({what}) "
                             f"averaged nothing by step {step_due}, "

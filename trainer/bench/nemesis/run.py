@@ -80,10 +80,10 @@ def run_schedule(setup: Setup, faults: list, folder: pathlib.Path, sim=None,
 def _drive(cluster, faults: list, setup: Setup) -> Outcome:
     """Hits and undoes faults until ps 0 exits, which the chief tells it
     at the end (or run_secs pass), then lets every task end within a
-    bound."""
+    bound. ps 0 killed by a fault is not the end: it is started again."""
     start, pending = time.monotonic(), list(faults)
     undo_at, on, steps_seen, count = [], {}, [], 0
-    while cluster.running("ps0"):
+    while cluster.running("ps0") or schedule_lib.KILL in on.get("ps0", ()):
         now = time.monotonic()
         if now - start > setup.run_secs:
             break
