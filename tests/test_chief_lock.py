@@ -86,6 +86,17 @@ def test_silence_counts_only_while_ps_0_answers():
     assert "no beat for 5 s" in j.update([1, 0, 7], ROSTER, 35.0)
 
 
+def test_a_reading_held_up_by_ps_0_does_not_count_as_silence():
+    """Seed 502 of the nemesis: ps 0 was stopped for 22 s; the watch's
+    reading and the chief's beats waited alike, and the first reading
+    after (the beats not moved yet) deposed a healthy chief."""
+    j = judge(1)
+    assert j.update([1, 0, 7], ROSTER, 0.0) is None
+    assert j.update([1, 0, 7], ROSTER, 22.0, read_secs=21.5) is None
+    assert j.update([1, 0, 7], ROSTER, 26.9) is None
+    assert "no beat for 5 s" in j.update([1, 0, 7], ROSTER, 27.0)
+
+
 def test_the_lowest_member_takes_over_after_the_timeout():
     j1, j2 = judge(1), judge(2)
     for j in (j1, j2):

@@ -141,9 +141,15 @@ class Judge:
         reading (a chief cut off from ps 0 with us is not judged by it)."""
         self._seen = None
 
-    def update(self, record, roster, now: float) -> str | None:
-        """record: int64 [3] (epoch, index, beats); roster: bool [N].
-        Returns why to take over now, or None."""
+    def update(self, record, roster, now: float,
+               read_secs: float = 0.0) -> str | None:
+        """record: int64 [3] (epoch, index, beats); roster: bool [N];
+        read_secs: how long the reading took. Returns why to take over
+        now, or None."""
+        if read_secs > self.timeout / 2:
+            # ps 0 stalled (stopped, cut off) while we read: the chief's
+            # beats could not land either, so the silence is not its own.
+            self.forget()
         chief = int(record[INDEX])
         seen = (int(record[EPOCH]), int(record[BEATS]))
         if seen != self._seen or chief == self.me:
@@ -177,12 +183,14 @@ class ChiefWatch(BackgroundThread):
         self._read, self._judge, self._on_lost = read, judge, on_lost
 
     def run_once(self) -> bool | None:
+        started = time.monotonic()
         try:
             record, roster = self._read()
         except Exception:  # noqa: BLE001 (no record yet, or ps 0 away)
             self._judge.forget()
             return None
-        reason = self._judge.update(record, roster, time.monotonic())
+        now = time.monotonic()
+        reason = self._judge.update(record, roster, now, now - started)
         if reason is None:
             return None
         logging.warning("the chief is lost (%s); this worker takes over "
