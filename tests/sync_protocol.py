@@ -121,6 +121,10 @@ class Protocol:
                 self.shared.answered.assign(answered),
                 self.shared.issued_at.assign(
                     tf.fill([num_workers], tf.timestamp())))
+            self.speed_in = tf.compat.v1.placeholder(tf.float32,
+                                                     [num_workers])
+            self.set_speed = self.shared.speed.assign(self.speed_in,
+                                                      read_value=False)
             # Each worker's last token issued ago_in seconds ago.
             self.ago_in = tf.compat.v1.placeholder(tf.float64,
                                                    [num_workers])

@@ -222,8 +222,9 @@ def test_a_benched_worker_sits_out_rounds_between_probes(cluster):
     # the 50 s that benched it; averaged with it, it would be over 35 s.
     secs = protocol.read(protocol.shared.slice_secs)
     assert 0 < secs[2] < pace.SPEED_MEMORY * 50.0
-    # Back (its measure set fast again): in the next round.
+    # Back (its measures set fast again): in the next round.
     protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.12, 0.2]})
+    protocol.run(protocol.set_speed, {protocol.speed_in: [300.0] * 3})
     back = round_tokens(protocol, 4, [1, 2])
     push_all(protocol, rng, back)
     assert protocol.admit(back[0]) == (True, [0, 1, 2])
@@ -241,6 +242,48 @@ def test_a_benched_worker_sits_out_rounds_between_probes(cluster):
         protocol.apply(step)
     np.testing.assert_array_equal(protocol.read(protocol.shared.benched),
                                   [0, 0, 2])
+
+
+def test_a_member_with_a_tiny_share_sits_out_and_is_probed_with_an_equal_slice(
+        cluster):
+    """Balanced slices: a member whose balanced share would be under
+    MIN_SHARE of an equal one is benched although its slices take no
+    longer than the others' (they are tiny); its probe is an equal slice,
+    which a starved host cannot finish fast on a refilled CPU budget."""
+    protocol = Protocol(cluster, num_workers=4, slices="balanced")
+    protocol.join(1, 2, 3)
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.1, 0.1, 0.1]})
+    speeds = [1000.0, 1000.0, 1000.0, 100.0]
+    protocol.run(protocol.set_speed, {protocol.speed_in: speeds})
+    # 100 is under MIN_SHARE x the mean (775): out, with no probe due.
+    assert 100 < pace.MIN_SHARE * 775 < 500
+    tokens = round_tokens(protocol, 1, [1, 2])
+    assert protocol.read(protocol.token_counts[3]) == 0
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [True, True, True, False])
+    rng = np.random.default_rng(3)
+    push_all(protocol, rng, tokens)
+    assert protocol.admit(tokens[0]) == (True, [0, 1, 2])
+    protocol.apply(1)
+    # Its probe: the equal slice of the four in the roster, 16 of 64. (The
+    # pushes above were timed: the measures are set again.)
+    protocol.run(protocol.set_speed, {protocol.speed_in: speeds})
+    protocol.run(protocol.set_issued_ago,
+                 {protocol.ago_in: [0, 0, 0, PROBE_SECS + 1]})
+    probe = round_tokens(protocol, 2, [1, 2, 3])
+    assert probe[3][3] - probe[3][2] == 64 // 4, probe[3]
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [True, True, True, False])
+    push_all(protocol, rng, {k: probe[k] for k in (0, 1, 2)})
+    assert protocol.admit(probe[0]) == (True, [0, 1, 2])
+    protocol.apply(2)
+    # A member at half the mean speed is in again, with its balanced share.
+    speeds[3] = 0.5 * 1000.0
+    protocol.run(protocol.set_speed, {protocol.speed_in: speeds})
+    protocol.run(protocol.set_secs, {protocol.secs_in: [0.1, 0.1, 0.1, 0.1]})
+    round_tokens(protocol, 3, [1, 2, 3])
+    np.testing.assert_array_equal(protocol.read(protocol.shared.planned),
+                                  [True] * 4)
 
 
 def test_a_round_stops_waiting_for_a_late_minority(cluster):

@@ -135,8 +135,7 @@ class Averaging:
             probe, count_benched = self.pace.probes(now, out)
             given = tf.logical_or(members, probe)
             token_cut = tf.where(probe[:, None], slices_lib.bounds(
-                slices_lib.weights(speed, roster, self.slices), batch,
-                unit), cut)
+                tf.cast(roster, tf.float32), batch, unit), cut)
             # A read now: assign_add's value is a lazy read, which a loop
             # that captures it would repeat every iteration (from ps 0).
             round_ = tf.identity(s.round.assign_add(1))

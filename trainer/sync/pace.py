@@ -15,15 +15,19 @@ from trainer.sync.state import LATE, PUSHED, count as count_of, set_at
 
 # How much of a worker's measured speed carries over to the next round.
 SPEED_MEMORY = 0.7
-# A member whose slices take this many times as long as every other
-# member's, even with its balanced slice, sits rounds out: its fixed cost
-# per round, not its share, would hold every step. PROBE_SECS after its
-# last token it gets a probe, a slice that is timed but not waited for.
+# A member whose slices take BENCH_FACTOR times as long as every other
+# member's, even with its balanced slice, or whose balanced share would be
+# under MIN_SHARE of an equal one, sits rounds out: its fixed cost per
+# round, not its share, would hold every step (slices.benched). PROBE_SECS
+# after its last token it gets a probe: an equal slice, timed but not
+# waited for. Equal, not its tiny balanced share: a few examples finish
+# fast on a starved host's refilled CPU budget and would let it back for
+# rounds it then holds.
 # Each time it is benched again (a probe made it look fast, its rounds did
 # not), its probes come twice as far apart, up to 2^MAX_BACKOFF times:
 # seconds, not steps, so that a worker fast again is back within a bound
 # of time however fast the steps run.
-BENCH_FACTOR, PROBE_SECS, MAX_BACKOFF = 2.0, 2.0, 2
+BENCH_FACTOR, MIN_SHARE, PROBE_SECS, MAX_BACKOFF = 2.0, 0.25, 2.0, 2
 # A round stops waiting for a member that has not pushed LATE_FACTOR
 # times the second slowest member's recent slice time (at least
 # MIN_LATE_SECS) after the plan, if it is the only one late and two
@@ -48,8 +52,10 @@ class Pace:
         """bool [N]: members that sit this round out (slices.benched)."""
         if not self.balanced:
             return tf.zeros_like(roster, tf.bool)
-        return slices_lib.benched(self.shared.slice_secs.read_value(),
-                                  roster, BENCH_FACTOR, self.chief)
+        s = self.shared
+        return slices_lib.benched(s.slice_secs.read_value(),
+                                  s.speed.read_value(), roster, BENCH_FACTOR,
+                                  MIN_SHARE, self.chief)
 
     def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
         """Which benched workers (out: bool [N]) get a probe in a round
@@ -58,9 +64,9 @@ class Pace:
         writes must wait for it: it reads sync/planned).
 
         A benched worker with no slice outstanding gets, once PROBE_SECS x
-        2^(times benched - 1) have passed since its last token, the slice
-        it would have: its time is measured, its gradient is not waited
-        for (trainer/sync/slices.py).
+        2^(times benched - 1) have passed since its last token, an equal
+        slice: its time is measured, its gradient is not waited for
+        (trainer/sync/slices.py).
         """
         s = self.shared
         before = s.benched.read_value()

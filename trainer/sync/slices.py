@@ -40,23 +40,35 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
                     tf.zeros_like(speed))
 
 
-def benched(slice_secs: tf.Tensor, roster: tf.Tensor,
-            factor: float, chief: int = 0) -> tf.Tensor:
-    """bool [N]: members other than the chief whose recent slices took
-    over `factor` times as long as every other member's (slice_secs:
-    float32 [N], 0 until measured; roster: bool [N], who is in).
+def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
+            factor: float, min_share: float, chief: int = 0) -> tf.Tensor:
+    """bool [N]: members other than the chief that sit this round out
+    (slice_secs, speed: float32 [N], 0 until measured; roster: bool [N],
+    who is in). Two kinds:
 
-    Balanced slices equalize the members' times, so a member still far
-    behind is bound by its fixed cost per slice (pulling, pushing, a
-    starved host), not by its share: giving it fewer examples cannot
-    help, and leaving it out of the round can.
+    - slow: its recent slices took over `factor` times as long as every
+      other member's. Balanced slices equalize the members' times, so a
+      member still far behind is bound by its fixed cost per slice
+      (pulling, pushing, a starved host), not by its share: giving it
+      fewer examples cannot help, and leaving it out of the round can.
+    - few: its balanced share would be under `min_share` of an equal one
+      (its speed under `min_share` times the members' mean). Its slices
+      are then so small that they take no longer than the others', but
+      its fixed cost and a starved host's wait for its next CPU period
+      still hold every round it is in, for a few examples' gain.
     """
     secs = tf.where(roster, slice_secs, 0.0)
     top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])
     slow = tf.logical_and(secs > factor * others, others > 0)
-    return tf.logical_and(slow, tf.not_equal(tf.range(tf.size(secs)), chief))
+    measured = tf.logical_and(roster, speed > 0)
+    mean = tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(measured, speed, 0.0)),
+        tf.reduce_sum(tf.cast(measured, tf.float32)))
+    few = tf.logical_and(measured, speed < min_share * mean)
+    return tf.logical_and(tf.logical_or(slow, few), tf.not_equal(
+        tf.range(tf.size(secs)), chief))
 
 
 def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
