@@ -108,7 +108,7 @@ class Chief(WorkerRole):
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
             self.task.cluster, self.config, writer,
-            on_unreachable=self._stop_stalled_run, chief=self.k)
+            on_unreachable=self._on_ps0_silent, chief=self.k)
 
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
@@ -220,7 +220,7 @@ class Chief(WorkerRole):
                 f"{at}; exiting: start this task again to join the run as "
                 "a worker")
 
-    def _stop_stalled_run(self, step: int | None, who: str) -> None:
+    def _on_ps0_silent(self, step: int | None, who: str) -> None:
         """ps 0 has not answered for --worker_timeout_secs: nothing can be
         saved or sent through it, so the last checkpoint stands. Runs on
         the membership watch's thread."""

@@ -69,8 +69,11 @@ class WorkerRole(abc.ABC):
         self.at_step = None
         self.epoch = None          # the chief's epoch, once claimed
         self._taking_over = None   # why this worker takes over the chief
-        self._warmed = warmed      # for the first connect only
-        self._warm_loop = None     # a Warmed: its loop is made
+        # A Warmed (session and loop made beforehand): the first connect
+        # takes its session and hands it to the next loop_callable; a
+        # later connect (a new session) makes its own loop.
+        self._warmed = warmed
+        self._warm_loop = None
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
