@@ -92,26 +92,15 @@ class Watchdog(BackgroundThread):
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable
-        self._timeout = timeout_secs
-        self._run_timeout = timeout_secs
-        self._flag = timeout_flag
-        self._run_flag = timeout_flag
+        self._timeout, self._flag = timeout_secs, timeout_flag
         self._on_timeout = on_timeout
         self._on_return, self._return_after = on_return, return_after_secs
         self._busy = threading.Event()
         self._idle(time.monotonic())
 
     @contextlib.contextmanager
-    def busy(self, timeout_secs: float | None = None,
-             timeout_flag: str | None = None):
-        """Context: the step should move while inside (a training run).
-
-        `timeout_secs`, set by `timeout_flag`, replaces the timeout for this
-        run (the chief's first step, which waits for every worker to start,
-        gets --startup_timeout_secs).
-        """
-        self._run_timeout = timeout_secs or self._timeout
-        self._run_flag = timeout_flag if timeout_secs else self._flag
+    def busy(self):
+        """Context: the step should move while inside (a training run)."""
         self._busy.set()
         try:
             yield
@@ -133,7 +122,7 @@ class Watchdog(BackgroundThread):
             step, admitted = self._read()
         except Exception:  # noqa: BLE001 (any failure: no progress)
             self._failing_since = self._failing_since or now
-            if now - self._since >= self._run_timeout:
+            if now - self._since >= self._timeout:
                 self._on_timeout(self._last_step, self._unreachable)
                 return False
             return None
@@ -147,7 +136,7 @@ class Watchdog(BackgroundThread):
             self._next_warning = now + WARN_EVERY_SECS
             return None
         stalled = now - self._since
-        if stalled >= self._run_timeout:
+        if stalled >= self._timeout:
             self._on_timeout(step, self._describe(admitted))
             return False
         if self._next_warning is not None and now >= self._next_warning:
@@ -155,6 +144,6 @@ class Watchdog(BackgroundThread):
                 "global step %d has not moved for %.0f s; waiting for "
                 "%s (giving up after %.0f s, %s)",
                 step, stalled, self._describe(admitted),
-                self._run_timeout, self._run_flag)
+                self._timeout, self._flag)
             self._next_warning = now + WARN_EVERY_SECS
         return None
