@@ -48,7 +48,7 @@ def ps_variable(name, shape, dtype, initializer, transient):
 
 
 def set_at(variable, index, value) -> tf.Operation:
-    """variable[index] = value (index: int32 [1]; value: a scalar)."""
+    """variable[index[0]] = value (index: int [1]; value: one row)."""
     return tf.raw_ops.ResourceScatterUpdate(
         resource=variable.handle, indices=index, updates=value[None])
 

@@ -13,6 +13,8 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from trainer.sync import state as state_lib
+
 RECORD_FILE = "averaged_by_step.npy"
 
 
@@ -32,9 +34,7 @@ def record_step(s, global_batch: int, step, admitted, examples
     row = tf.concat([tf.cast(once, tf.int32)[None],
                      tf.cast(tf.round(examples), tf.int32)], axis=0)
     index = tf.minimum(step, s.by_step.shape[0] - 1)
-    return tf.raw_ops.ResourceScatterUpdate(
-        resource=s.by_step.handle, indices=index[None],
-        updates=row[None])
+    return state_lib.set_at(s.by_step, index[None], row)
 
 
 def steps_not_once(record: np.ndarray, batch: int, first: int,

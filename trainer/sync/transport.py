@@ -13,6 +13,7 @@ from trainer.learning import fixed_point
 from trainer.learning.replica import NUM_STATS
 from trainer.sync import state as state_lib
 from trainer.sync import wire
+from trainer.sync.state import set_at
 
 
 def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
@@ -23,12 +24,6 @@ def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
         pieces.append(tf.slice(packed, [start], [size]))
         start += size
     return pieces
-
-
-def _write_row(variable, row: tf.Tensor, value: tf.Tensor) -> tf.Operation:
-    """variable[row[0]] = value, as an op (no read of the result)."""
-    return tf.raw_ops.ResourceScatterUpdate(
-        resource=variable.handle, indices=row, updates=value[None])
 
 
 class Transport:
@@ -104,13 +99,13 @@ class Transport:
                                            [NUM_STATS])
             token_ps = wire.bits_from_wire(token_bits, tf.int64,
                                            [state_lib.TOKEN_SIZE])
-            writes = [_write_row(shared.grads[0], row, grad0),
-                      _write_row(shared.stats, row, stats_ps),
-                      _write_row(shared.pushed_slices, row, token_ps[2:])]
+            writes = [set_at(shared.grads[0], row, grad0),
+                      set_at(shared.stats, row, stats_ps),
+                      set_at(shared.pushed_slices, row, token_ps[2:])]
             step_ps, round_ps = token_ps[0], token_ps[1]
         for s in range(1, len(shared.grads)):
             with tf.device(shared.shard_devices[s]):
-                writes.append(_write_row(
+                writes.append(set_at(
                     shared.grads[s], row,
                     sent[s] if fixed else wire.from_wire(sent[s])))
         with tf.control_dependencies(writes):
