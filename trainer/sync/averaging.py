@@ -63,6 +63,7 @@ import tensorflow as tf
 
 from trainer.learning import fixed_point
 from trainer.sync import pace as pace_lib
+from trainer.sync import queues
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
 from trainer.sync import step_record
@@ -148,21 +149,13 @@ class Averaging:
                           _assign_where(s.issued_round, given, round_)]
             with tf.control_dependencies(writes):
                 writes.append(self.pace.set_deadline(step, round_, members))
-                sent = [self._hand_out(k, step, round_, token_cut[k],
-                                       given[k])
+                sent = [queues.put_if(s.tokens[k], given[k], [state_lib.token(
+                    step, round_, token_cut[k][0], token_cut[k][1])])
                         for k in range(s.num_workers) if k != self.chief]
                 sent += self.pull_turns.cover_absent(step, members)
             with tf.control_dependencies(writes + sent):
                 own = cut[self.chief]
                 return state_lib.token(step, round_, own[0], own[1])
-
-    def _hand_out(self, k, step, round_, cut, given) -> tf.Operation:
-        """Token (step, round, cut) into worker k's queue if `given` (bool
-        []): an enqueue of 0 or 1 tokens, so no cond per worker."""
-        count = tf.cast(given, tf.int32)
-        tokens = tf.tile(state_lib.token(step, round_, cut[0], cut[1])[None],
-                         tf.stack([count, 1]))
-        return self.shared.tokens[k].enqueue_many(tokens)
 
     def admit(self, step: tf.Tensor, round_: tf.Tensor) -> Verdict:
         """Takes events until the round is complete or lost a member."""
@@ -254,8 +247,9 @@ class Averaging:
                 s.dropped.assign_add(tf.cast(tf.logical_and(
                     pushed, tf.logical_not(tf.logical_or(fresh, probed))),
                     tf.int64), read_value=False),
-                _put_if(s.membership, tf.logical_or(changed, restarted), (
-                    step, tf.where(leaves, kind, JOINED), worker, members))]
+                queues.put_if(s.membership, tf.logical_or(
+                    changed, restarted), (step, tf.where(leaves, kind, JOINED),
+                                          worker, members))]
         with tf.control_dependencies(ops):
             # A member left, was restarted, or is far too late: the round
             # is planned again among the others.
@@ -335,11 +329,3 @@ def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:
     return variable.assign(tf.where(where, tf.cast(value, old.dtype) +
                                     tf.zeros_like(old), old),
                            read_value=False)
-
-
-def _put_if(queue, when: tf.Tensor, record: tuple) -> tf.Operation:
-    """Enqueues `record` (scalars) if `when` (bool []), without a cond."""
-    count = tf.cast(when, tf.int32)
-    return queue.enqueue_many([
-        tf.fill([count], tf.cast(v, d)) for v, d in
-        zip(record, (tf.int64, tf.int32, tf.int32, tf.int32))])

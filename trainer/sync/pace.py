@@ -10,6 +10,7 @@ ps 0's clock (the event's time is stamped as it arrives there).
 
 import tensorflow as tf
 
+from trainer.sync import queues
 from trainer.sync import slices as slices_lib
 from trainer.sync.state import LATE, PUSHED, count as count_of, set_at
 
@@ -98,12 +99,8 @@ class Pace:
         # joined warms up in its first slice, which is slow by nature.
         measured = tf.reduce_all(tf.logical_or(tf.logical_not(members),
                                                secs > 0))
-        count = tf.cast(tf.logical_and(measured, count_of(members) > 2),
-                        tf.int32)
-        return s.deadlines.enqueue_many([
-            tf.fill([count], tf.cast(step, tf.int64)),
-            tf.fill([count], tf.cast(round_, tf.int64)),
-            tf.fill([count], wait)])
+        return queues.put_if(s.deadlines, tf.logical_and(
+            measured, count_of(members) > 2), (step, round_, wait))
 
     def late(self, kind, for_step, for_round, step, round_, sent_at
              ) -> tuple:

@@ -109,10 +109,10 @@ class PullTurns:
             if k == self._first(s):
                 continue
             before = (k - 1) % self.num_workers
-            count = tf.cast(tf.logical_and(
-                members[k], tf.logical_not(members[before])), tf.int32)
+            absent = tf.logical_and(members[k],
+                                    tf.logical_not(members[before]))
             with tf.device(self.devices[s]):
-                ops.append(queue.enqueue_many(tf.fill([count], step)))
+                ops.append(queues.put_if(queue, absent, [step]))
         return ops
 
     def release_all(self) -> list:

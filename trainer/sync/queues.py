@@ -14,6 +14,15 @@ def shared_queue(shared_name: str, dtypes: list, shapes: list):
                               name=shared_name.replace("/", "_"))
 
 
+def put_if(queue, when: tf.Tensor, element) -> tf.Operation:
+    """Enqueues `element` (its components, cast to the queue's dtypes) if
+    `when` (bool []): an enqueue_many of 0 or 1 elements, so no cond."""
+    count = tf.cast(when, tf.int32)
+    element = [tf.cast(c, dtype) for c, dtype in zip(element, queue.dtypes)]
+    return queue.enqueue_many([tf.tile(c[None], [count] + [1] * c.shape.rank)
+                               for c in element])
+
+
 def step_queue(shared_name: str):
     """A shared queue of step numbers (int64 scalars)."""
     return shared_queue(shared_name, [tf.int64], [[]])
