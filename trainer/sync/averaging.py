@@ -242,8 +242,7 @@ class Averaging:
                 secs_now),
                 _set(s.admitted, one, tf.logical_or(admitted, fresh)),
                 _set(s.roster, one, roster_now),
-                _set(s.last_push, one, tf.where(
-                    pushed, for_round, s.last_push.read_value()[worker])),
+                state_lib.set_if(s.last_push, worker, pushed, for_round),
                 s.dropped.assign_add(tf.cast(tf.logical_and(
                     pushed, tf.logical_not(tf.logical_or(fresh, probed))),
                     tf.int64), read_value=False),

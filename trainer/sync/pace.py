@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from trainer.sync import queues
 from trainer.sync import slices as slices_lib
-from trainer.sync.state import LATE, PUSHED, count as count_of, set_at
+from trainer.sync.state import LATE, PUSHED, count as count_of, set_if
 
 # How much of a worker's measured speed carries over to the next round.
 SPEED_MEMORY = 0.7
@@ -144,22 +144,17 @@ class Pace:
         slice examples, slice time and speed (their ratio), the round it
         answered, and on a (re)join (fresh_start) its measures and bench
         count back to 0."""
-        s, one = self.shared, worker[None]
+        s = self.shared
         measured = tf.logical_or(timed, fresh_start)
         zero = tf.zeros_like(for_round)
         speed_now = tf.math.divide_no_nan(examples_now, secs_now)
         return [
-            set_at(s.slice_examples, one, tf.where(
-                measured, examples_now,
-                s.slice_examples.read_value()[worker])),
-            set_at(s.speed, one, tf.where(measured, speed_now,
-                                          s.speed.read_value()[worker])),
-            set_at(s.slice_secs, one, tf.where(
-                measured, secs_now, s.slice_secs.read_value()[worker])),
-            set_at(s.answered, one, tf.where(timed, for_round, tf.where(
-                fresh_start, zero, s.answered.read_value()[worker]))),
-            set_at(s.benched, one, tf.where(
-                fresh_start, zero, s.benched.read_value()[worker]))]
+            set_if(s.slice_examples, worker, measured, examples_now),
+            set_if(s.speed, worker, measured, speed_now),
+            set_if(s.slice_secs, worker, measured, secs_now),
+            set_if(s.answered, worker, measured,
+                   tf.where(timed, for_round, zero)),
+            set_if(s.benched, worker, fresh_start, zero)]
 
     def timing(self, kind, worker, for_round, sent_at, fresh_start,
                planned) -> tuple:

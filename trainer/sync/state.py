@@ -53,6 +53,13 @@ def set_at(variable, index, value) -> tf.Operation:
         resource=variable.handle, indices=index, updates=value[None])
 
 
+def set_if(variable, worker, when, value) -> tf.Operation:
+    """variable[worker] = value if `when` (bool []), else unchanged
+    (worker: int32 []; value: a scalar)."""
+    return set_at(variable, worker[None], tf.where(
+        when, value, variable.read_value()[worker]))
+
+
 def count(flags: tf.Tensor) -> tf.Tensor:
     """How many of `flags` (bool [N]) are set: int32 []."""
     return tf.reduce_sum(tf.cast(flags, tf.int32))
