@@ -4,11 +4,13 @@ The step loop runs inside the graph, so while a session.run blocks no
 Python code of the training thread runs. What must happen meanwhile
 (the chief's membership watch, its round deadlines, every worker's
 watchdog) runs on a daemon thread: a BackgroundThread, used as a context
-manager around the training runs.
+manager around the training runs. A single call that must not block its
+caller runs on a ThreadCall.
 """
 
 import abc
 import threading
+from typing import Callable
 
 
 class BackgroundThread(abc.ABC):
@@ -65,3 +67,34 @@ class BackgroundThread(abc.ABC):
     @abc.abstractmethod
     def run_once(self) -> bool | None:
         """One check; False ends the thread."""
+
+
+class ThreadCall:
+    """call() on a daemon thread of its own, started at once."""
+
+    def __init__(self, call: Callable, name: str):
+        self._box = {}
+        self._thread = threading.Thread(target=self._run, args=(call,),
+                                        daemon=True, name=name)
+        self._thread.start()
+
+    def _run(self, call: Callable) -> None:
+        try:
+            self._box["value"] = call()
+        except Exception as e:  # noqa: BLE001 (raised by result)
+            self._box["error"] = e
+
+    def done(self, timeout: float | None = None) -> bool:
+        """Waits at most `timeout` seconds (None: no limit) for the call to
+        end; whether it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def result(self, timeout: float | None = None):
+        """call()'s value, or its error raised, once it ends within
+        `timeout` seconds; TimeoutError if it does not."""
+        if not self.done(timeout):
+            raise TimeoutError(f"no answer in {timeout} s")
+        if "error" in self._box:
+            raise self._box["error"]
+        return self._box["value"]

@@ -19,6 +19,7 @@ from trainer.cluster import ports
 from trainer.observe import tracing
 from trainer.roles import takeover
 from trainer.roles import watchdog as watchdog_lib
+from trainer.roles.background import ThreadCall
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
@@ -180,11 +181,9 @@ class WorkerRole(abc.ABC):
             session, self.session = self.session, None
         if session is None:
             return
-        closing = threading.Thread(target=_close_quietly, args=(session,),
-                                   daemon=True, name="session-close")
-        closing.start()
-        closing.join(CLOSE_DEADLINE_SECS)
-        if closing.is_alive():
+        # An error of the close is dropped: the ps may be gone already.
+        if not ThreadCall(session.close, "session-close").done(
+                CLOSE_DEADLINE_SECS):
             logging.warning("the old session did not close within %.0f s "
                             "(a peer cut off or gone); going on without it",
                             CLOSE_DEADLINE_SECS)
@@ -289,13 +288,6 @@ class WorkerRole(abc.ABC):
                       "exiting", reason, CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
-
-
-def _close_quietly(session) -> None:
-    try:
-        session.close()
-    except Exception:  # noqa: BLE001 (the ps may be gone already)
-        pass
 
 
 def token_of(step: int) -> np.ndarray:

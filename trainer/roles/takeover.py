@@ -23,7 +23,6 @@ goes on from the state on the ps tasks: no step is redone.
 """
 
 import dataclasses
-import threading
 import time
 from typing import Callable
 
@@ -32,7 +31,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread
+from trainer.roles.background import BackgroundThread, ThreadCall
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
 BEAT_SECS = 0.5
@@ -210,28 +209,16 @@ class Warmed:
     epoch: dict
 
 
-class Spare:
+class Spare(ThreadCall):
     """What a worker needs to take over, built on a thread of its own:
     `get()` waits for it and returns build()'s value, or raises its
     error."""
 
     def __init__(self, build: Callable[[], object]):
-        self._value, self._error = None, None
-        self._thread = threading.Thread(target=self._build, args=(build,),
-                                        daemon=True, name="spare-chief")
-        self._thread.start()
-
-    def _build(self, build) -> None:
-        try:
-            self._value = build()
-        except Exception as e:  # noqa: BLE001 (raised by get)
-            self._error = e
+        super().__init__(build, "spare-chief")
 
     def get(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+        return self.result()
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:

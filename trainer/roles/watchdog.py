@@ -22,45 +22,26 @@ from typing import Callable
 
 from absl import logging
 
-from trainer.roles.background import BackgroundThread
+from trainer.roles.background import BackgroundThread, ThreadCall
 
 CHECK_SECS = 2.0
 WARN_EVERY_SECS = 10.0
 READ_DEADLINE_SECS = 5.0
 
 
-class ReadTimedOut(Exception):
-    pass
-
-
 class BoundedRead:
     """Calls read() on a helper thread and waits for it at most
-    READ_DEADLINE_SECS. While an earlier call is still blocked, no new one
-    starts: waiting on it again counts as another failed read."""
+    READ_DEADLINE_SECS (else raises TimeoutError). While an earlier call is
+    still blocked, no new one starts: waiting on it again counts as another
+    failed read."""
 
     def __init__(self, read: Callable):
-        self._read = read
-        self._thread, self._box = None, {}
+        self._read, self._call = read, None
 
     def __call__(self):
-        if self._thread is None or not self._thread.is_alive():
-            box = self._box = {}
-
-            def call():
-                try:
-                    box["value"] = self._read()
-                except Exception as e:  # noqa: BLE001 (handed over below)
-                    box["error"] = e
-
-            self._thread = threading.Thread(target=call, daemon=True,
-                                            name="watchdog-read")
-            self._thread.start()
-        self._thread.join(READ_DEADLINE_SECS)
-        if self._thread.is_alive():
-            raise ReadTimedOut(f"no answer in {READ_DEADLINE_SECS} s")
-        if "error" in self._box:
-            raise self._box["error"]
-        return self._box["value"]
+        if self._call is None or self._call.done(0):
+            self._call = ThreadCall(self._read, "watchdog-read")
+        return self._call.result(READ_DEADLINE_SECS)
 
 
 class Watchdog(BackgroundThread):
