@@ -19,7 +19,7 @@ def put_if(queue, when: tf.Tensor, element) -> tf.Operation:
     `when` (bool []): an enqueue_many of 0 or 1 elements, so no cond."""
     count = tf.cast(when, tf.int32)
     element = [tf.cast(c, dtype) for c, dtype in zip(element, queue.dtypes)]
-    return queue.enqueue_many([tf.tile(c[None], [count] + [1] * c.shape.rank)
+    return queue.enqueue_many([tf.broadcast_to(c, [count, *c.shape])
                                for c in element])
 
 
