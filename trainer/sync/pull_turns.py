@@ -117,13 +117,9 @@ class PullTurns:
 
     def release_all(self) -> list:
         """Ops that let every waiting worker through (module docstring)."""
-        return self._put(tf.constant(RELEASE, tf.int64),
-                         range(self.num_workers))
-
-    def _put(self, value: tf.Tensor, workers) -> list:
         ops = []
         for (s, k), queue in self.queues.items():
-            if k in workers and k != self._first(s):
+            if k != self._first(s):
                 with tf.device(self.devices[s]):
-                    ops.append(queue.enqueue(value))
+                    ops.append(queue.enqueue(tf.constant(RELEASE, tf.int64)))
         return ops

@@ -58,17 +58,13 @@ def wire_dtype(value) -> tf.DType:
     return dtype
 
 
-def is_16_bit(dtype: tf.DType) -> bool:
-    return dtype != tf.float32
-
-
 def to_wire(values: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """float32 [n] -> dtype [n], rounded to nearest even; no op for float32.
 
     Build it on the sending device, so that the narrow tensor is the one
     that crosses.
     """
-    return tf.cast(values, dtype) if is_16_bit(dtype) else values
+    return values if dtype == tf.float32 else tf.cast(values, dtype)
 
 
 def from_wire(values: tf.Tensor) -> tf.Tensor:
