@@ -61,7 +61,7 @@ class Chief(WorkerRole):
             self.config), self.task.cluster.as_dict())
         with self._membership_watch(writer) as watch, \
                 self._round_deadlines(), takeover.ChiefBeat(
-                    lambda: self.session.run(ops.lock.beat)):
+                    lambda: self.session.run(self.g.lock.beat)):
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),
@@ -210,7 +210,7 @@ class Chief(WorkerRole):
     def _check_still_chief(self, step: int | None = None) -> None:
         """Raises RunFailed if another worker claimed the chief's role
         (this one was cut off, frozen or starved meanwhile)."""
-        index = takeover.deposed_by(self.session, self.g.chief.lock,
+        index = takeover.deposed_by(self.session, self.g.lock,
                                     self.epoch)
         if index is not None:
             at = "" if step is None else f" (at step {step} here)"
@@ -268,7 +268,7 @@ class Chief(WorkerRole):
                                             claim.previous)
         else:
             self.epoch, lost = takeover.claim(
-                self.session, ops.lock, self.k,
+                self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
         # No restore where the ps tasks hold every variable and no write
         # was cut short: they hold every step applied, and the protocol's

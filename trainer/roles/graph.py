@@ -86,7 +86,6 @@ class ChiefOps:
                                       # int64 []: the global step then
     end_op: tf.Operation              # the final step to every worker
     epoch: tf.Tensor                  # feed int64 []: this chief's epoch
-    lock: chief_lock.ChiefLock        # claimed at start, beaten by the watch
     saver: tf.compat.v1.train.Saver
     checkpoint_shapes: dict           # checkpoint key -> shape
     eval_outputs: dict                # {"loss", "accuracy"}: float32 []
@@ -106,16 +105,14 @@ class WorkerGraph:
     """What a worker's Python side runs; `chief` is None on other workers."""
 
     graph: tf.Graph
-    shared: state_lib.SharedState
     coord: coordination.RunCoordination
-    flat: params_lib.FlatParams
     trainset: batches.InGraphTrainSet
     start_token: tf.Tensor    # feed int64 [4]: the first token of a run
     num_steps: tf.Tensor      # feed int64 []: at most this many steps
     loop_outputs: dict        # fetch: steps done, next token, stats sums
     handles: WorkerHandles
     chief: ChiefOps | None
-    lock: chief_lock.ChiefLock
+    lock: chief_lock.ChiefLock  # the chief claims it at start, and beats
 
 
 def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
@@ -173,9 +170,9 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             chief = (_chief_ops(config, cluster.num_ps, flat, rule, coord,
                                 update.optimizer, num_test_examples)
                      if as_chief else None)
-            g = WorkerGraph(graph, shared, coord, flat, trainset, start_token,
-                            num_steps, loop_outputs,
-                            _worker_handles(shared, coord, k), chief, lock)
+            g = WorkerGraph(graph, coord, trainset, start_token, num_steps,
+                            loop_outputs, _worker_handles(shared, coord, k),
+                            chief, lock)
         graph.finalize()
     return g
 
@@ -186,15 +183,17 @@ def _worker_handles(shared: state_lib.SharedState,
     with tf.device(shared.shard_devices[0]):
         pushed_in = tf.compat.v1.placeholder(tf.int64, [], "pushed")
         return WorkerHandles(
-            ready=coord.chief_ready(),
-            chief_fingerprint=coord.chief_fingerprint(),
-            stop_reason=coord.read_stop_reason(),
+            ready=tf.raw_ops.VarIsInitializedOp(
+                resource=coord.cluster_fingerprint.handle),
+            chief_fingerprint=coord.cluster_fingerprint.read_value(),
+            stop_reason=coord.stop_reason.read_value(),
             global_step=shared.global_step.read_value(),
             round=shared.round.read_value(),
             planned=shared.planned.read_value(),
             admitted=shared.admitted.read_value(),
-            join_op=coord.join_op(k), leave_op=coord.leave_op(k),
-            tokens_waiting=coord.tokens_waiting(k),
+            join_op=coord.join_op(k),
+            leave_op=shared.send_event(state_lib.LEAVING, k),
+            tokens_waiting=shared.tokens[k].size(),
             in_roster=shared.roster.read_value()[k],
             roster=shared.roster.read_value(),
             next_token=shared.next_token(k),
@@ -228,20 +227,20 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     eval_outputs, testset_init = replica_lib.evaluation(
         config, flat, values, num_test_examples)
     return ChiefOps(
-        epoch=rule.epoch, lock=rule.lock,
+        epoch=rule.epoch,
         init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(
             state_lib.transient_variables()),
         start_op=coord.start_op(),
-        mark_ready_op=coord.mark_ready_op(),
+        mark_ready_op=coord.cluster_fingerprint.initializer,
         absorb_op=rule.absorb_queued(),
         membership=shared.take_membership(),
         roster=shared.roster.read_value(),
         slices=shared.slices.read_value(),
         last_push=shared.last_push.read_value(),
         issued_round=shared.issued_round.read_value(),
-        lost_in=lost_in, lost_op=coord.lost_op(lost_in),
+        lost_in=lost_in, lost_op=shared.send_event(state_lib.LOST, lost_in),
         deadlines=deadlines, late_in=late_in, late_op=late_op,
         halt_op=coord.halt_op(), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,

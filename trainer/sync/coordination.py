@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from trainer.sync import queues
 from trainer.sync import state as state_lib
-from trainer.sync.state import JOINED, LEAVING, LOST, REJOIN, STOP
+from trainer.sync.state import JOINED, REJOIN, STOP
 
 
 def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
@@ -82,35 +82,11 @@ class RunCoordination:
 
     # --- Worker side ---
 
-    def chief_ready(self) -> tf.Tensor:
-        """bool []: the chief has initialized and marked the run ready."""
-        with tf.device(self.device):
-            return tf.raw_ops.VarIsInitializedOp(
-                resource=self.cluster_fingerprint.handle)
-
-    def chief_fingerprint(self) -> tf.Tensor:
-        """string []: the chief's description (read once ready)."""
-        with tf.device(self.device):
-            return self.cluster_fingerprint.read_value()
-
-    def read_stop_reason(self) -> tf.Tensor:
-        with tf.device(self.device):
-            return self.stop_reason.read_value()
-
     def join_op(self, worker: int) -> tf.Operation:
         """Drops worker's stale tokens, then asks the chief in."""
         drained = self.shared.drain_tokens(worker)
         with tf.control_dependencies([drained]):
             return self.shared.send_event(JOINED, worker)
-
-    def leave_op(self, worker: int) -> tf.Operation:
-        """Tells the chief that worker leaves now (SIGTERM)."""
-        return self.shared.send_event(LEAVING, worker)
-
-    def tokens_waiting(self, worker: int) -> tf.Tensor:
-        """int32 []: tokens in worker's queue."""
-        with tf.device(self.device):
-            return self.shared.tokens[worker].size()
 
     def report_finished(self, worker: int,
                         pushed: tf.Tensor) -> tf.Operation:
@@ -138,9 +114,6 @@ class RunCoordination:
                      *self.pull_turns.release_all()]
             return s.give_all(state_lib.token(REJOIN), self.chief, reset)
 
-    def mark_ready_op(self) -> tf.Operation:
-        return self.cluster_fingerprint.initializer
-
     def stop_op(self, reason: tf.Tensor) -> tf.Operation:
         """Tells every worker to stop, with a reason they will log."""
         with tf.device(self.device):
@@ -162,10 +135,6 @@ class RunCoordination:
             halted = self.shared.halt.assign(1, read_value=False)
             with tf.control_dependencies([halted]):
                 return self.shared.global_step.read_value()
-
-    def lost_op(self, worker: tf.Tensor) -> tf.Operation:
-        """Reports worker (int32 []) lost: the chief's membership watch."""
-        return self.shared.send_event(LOST, worker)
 
     def take_reports(self) -> tuple:
         """Dequeues the end-of-run reports queued so far, without waiting:
