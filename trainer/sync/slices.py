@@ -28,16 +28,20 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
     A member not measured yet (speed 0) counts as the mean measured speed,
     or 1 when nobody is measured.
     """
-    inside = members
     if mode == EQUAL:
-        return tf.where(inside, tf.ones_like(speed), tf.zeros_like(speed))
-    measured = tf.logical_and(inside, speed > 0)
-    count = tf.reduce_sum(tf.cast(measured, tf.float32))
-    mean = tf.math.divide_no_nan(
-        tf.reduce_sum(tf.where(measured, speed, tf.zeros_like(speed))), count)
-    fill = tf.where(count > 0, mean, 1.0)
-    return tf.where(inside, tf.where(speed > 0, speed, fill),
-                    tf.zeros_like(speed))
+        return tf.cast(members, tf.float32)
+    measured, mean = _measured_mean(speed, members)
+    fill = tf.where(tf.reduce_any(measured), mean, 1.0)
+    return tf.where(members, tf.where(speed > 0, speed, fill), 0.0)
+
+
+def _measured_mean(speed: tf.Tensor, members: tf.Tensor) -> tuple:
+    """(the members with a speed: bool [N], their mean speed: float32 [],
+    0 if none)."""
+    measured = tf.logical_and(members, speed > 0)
+    return measured, tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(measured, speed, 0.0)),
+        tf.reduce_sum(tf.cast(measured, tf.float32)))
 
 
 def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
@@ -62,10 +66,7 @@ def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
     second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
     others = tf.where(tf.equal(secs, top[0]), second, top[0])
     slow = tf.logical_and(secs > factor * others, others > 0)
-    measured = tf.logical_and(roster, speed > 0)
-    mean = tf.math.divide_no_nan(
-        tf.reduce_sum(tf.where(measured, speed, 0.0)),
-        tf.reduce_sum(tf.cast(measured, tf.float32)))
+    measured, mean = _measured_mean(speed, roster)
     few = tf.logical_and(measured, speed < min_share * mean)
     return tf.logical_and(tf.logical_or(slow, few), tf.not_equal(
         tf.range(tf.size(secs)), chief))
