@@ -1,5 +1,6 @@
 """What the chief and the other workers share: a session that survives the
-loss of a ps task, fast callables, and the watchdog on a stalled step.
+loss of a ps task, fast callables, and ending a blocked run (from the
+watchdog, trainer/roles/worker.py, or the chief's threads).
 
 A worker that loses the ps tasks (one died or restarted) reconnects:
 `WorkerRole.run` says how, step by step.
@@ -18,7 +19,6 @@ from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
 from trainer.roles import takeover
-from trainer.roles import watchdog as watchdog_lib
 from trainer.roles.background import ThreadCall
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
@@ -212,40 +212,6 @@ class WorkerRole(abc.ABC):
             loop, tracing.traced_run(self.session, self.g.loop_outputs,
                                      feeds, fixed),
             self.config.trace_range(), self.traces)
-
-    def watchdog(self, timeout_secs: float, on_timeout,
-                 timeout_flag: str = "--worker_timeout_secs",
-                 rejoin_after_outage: bool = False) -> watchdog_lib.Watchdog:
-        """Calls on_timeout(step, who) when the global step stays put (step
-        None: ps 0 did not answer); warnings name `timeout_flag`. With
-        `rejoin_after_outage`, ps 0 answering again after
-        --worker_timeout_secs without an answer ends the blocked run with
-        `join_again`."""
-        fetches = {"step": self.g.handles.global_step,
-                   "admitted": self.g.handles.admitted}
-        cluster = self.task.cluster
-
-        def read_progress():
-            with self._lock:
-                session = self.session
-            if session is None:
-                raise RunFailed("no session")
-            out = session.run(fetches)
-            return int(out["step"]), list(out["admitted"])
-
-        def describe_missing(admitted) -> str:
-            missing = [k for k, flag in enumerate(admitted)
-                       if not flag and k != self.k]
-            if not missing:
-                return "the chief to apply the step"
-            return ", ".join(cluster.describe("worker", k) for k in missing)
-
-        return watchdog_lib.Watchdog(
-            read_progress, describe_missing, timeout_secs, on_timeout,
-            f"{cluster.describe('ps', 0)}, which does not answer",
-            timeout_flag,
-            on_return=self.join_again if rejoin_after_outage else None,
-            return_after_secs=self.config.worker_timeout_secs)
 
     def join_again(self, outage_secs: float) -> None:
         """From the watchdog: ps 0 answers again after `outage_secs`, long

@@ -12,6 +12,7 @@ from absl import logging
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
 from trainer.roles import takeover
+from trainer.roles import watchdog as watchdog_lib
 from trainer.saving import storage
 from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
                                      token_of)
@@ -32,17 +33,7 @@ class Worker(WorkerRole):
         # runs: 0 steps), so that our first round is not held up by it.
         self.callable(self.g.loop_outputs,
                       [self.g.start_token, self.g.num_steps])(token_of(0), 0)
-        # A worker cut off from the cluster, or waiting on a stopped chief,
-        # waits as long as a starting worker waits for its cluster; when
-        # ps 0 answers again after an outage it joins again.
-        timeout = self.config.startup_timeout_secs
-        chief = self.task.cluster.describe("worker", 0)
-        with self.watchdog(timeout, lambda at, who: self.give_up(
-                f"{'global step ' + str(at) if at is not None else 'training'}"
-                f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
-                f" waiting for {who}; is the chief, {chief}, running?"),
-                timeout_flag="--startup_timeout_secs",
-                rejoin_after_outage=True) as dog, self._chief_watch():
+        with self._watchdog() as dog, self._chief_watch():
             token = self._join(dog)
             while True:
                 step = self.at_step = int(token[0])
@@ -66,6 +57,43 @@ class Worker(WorkerRole):
         logging.info("worker %d finished: %d gradients pushed", self.k,
                      self.pushed)
         self.close_session()
+
+    def _watchdog(self) -> watchdog_lib.Watchdog:
+        """Gives up when the global step stays put: a worker cut off from
+        the cluster, or waiting on a stopped chief, waits as long as a
+        starting worker waits for its cluster (--startup_timeout_secs).
+        When ps 0 answers again after --worker_timeout_secs without an
+        answer, it ends the blocked run with `join_again`."""
+        h, cluster = self.g.handles, self.task.cluster
+        timeout = self.config.startup_timeout_secs
+        chief = cluster.describe("worker", 0)
+
+        def read_progress():
+            with self._lock:
+                session = self.session
+            if session is None:
+                raise RunFailed("no session")
+            step, admitted = session.run([h.global_step, h.admitted])
+            return int(step), list(admitted)
+
+        def describe_missing(admitted) -> str:
+            missing = [k for k, flag in enumerate(admitted)
+                       if not flag and k != self.k]
+            if not missing:
+                return "the chief to apply the step"
+            return ", ".join(cluster.describe("worker", k) for k in missing)
+
+        def on_timeout(at, who) -> None:
+            self.give_up(
+                f"{'global step ' + str(at) if at is not None else 'training'}"
+                f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
+                f" waiting for {who}; is the chief, {chief}, running?")
+
+        return watchdog_lib.Watchdog(
+            read_progress, describe_missing, timeout, on_timeout,
+            f"{cluster.describe('ps', 0)}, which does not answer",
+            "--startup_timeout_secs", on_return=self.join_again,
+            return_after_secs=self.config.worker_timeout_secs)
 
     def _chief_watch(self) -> takeover.ChiefWatch:
         """Watches the chief's beat; if it stops, this worker may take
