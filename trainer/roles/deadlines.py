@@ -61,8 +61,7 @@ class RoundDeadlines(BackgroundThread):
         except (tf.errors.OpError, RuntimeError) as e:  # closed session
             if not self._complained and not self.stopping:
                 logging.warning("round deadlines paused: %s",
-                                error_summary(e) if isinstance(
-                                    e, tf.errors.OpError) else e)
+                                error_summary(e))
             self._complained = True
             self.wait(TAKE_TIMEOUT_MS / 1000)
         return None

@@ -31,9 +31,9 @@ from typing import Callable
 from absl import logging
 import numpy as np
 
-from trainer.cluster import ports
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
+from trainer.roles.takeover import port_refuses
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
@@ -79,7 +79,7 @@ class MembershipWatch(BackgroundThread):
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
-        self._chief = chief
+        self._chief, self._refuses = chief, port_refuses(cluster)
         self.records = []        # {"step", "event", "worker", "workers"}
         self.reasons = {}        # worker -> why we reported it lost
         # worker -> (its last push's round, when that changed, reported)
@@ -153,8 +153,7 @@ class MembershipWatch(BackgroundThread):
         if silent >= timeout:
             self.reasons[k] = (f" (no gradient for step {state.step} in "
                                f"{timeout:.0f} s, --worker_timeout_secs)")
-        elif silent >= PROBE_AFTER_SECS and ports.answer(
-                self._cluster.workers[k], 0.5, "worker") == ports.REFUSED:
+        elif silent >= PROBE_AFTER_SECS and self._refuses(k):
             self.reasons[k] = " (its port refuses connections)"
         else:
             return
