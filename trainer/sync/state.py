@@ -47,6 +47,12 @@ def ps_variable(name, shape, dtype, initializer, transient):
             [TRANSIENT] if transient else []))
 
 
+def _transient_zeros(name, shape, dtype):
+    """A ps_variable in TRANSIENT that starts at zeros."""
+    return ps_variable(name, shape, dtype, tf.compat.v1.zeros_initializer(),
+                       transient=True)
+
+
 def set_at(variable, index, value) -> tf.Operation:
     """variable[index[0]] = value (index: int [1]; value: one row)."""
     return tf.raw_ops.ResourceScatterUpdate(
@@ -97,18 +103,16 @@ class SharedState:
                     [True] + [False] * (num_workers - 1)), transient=True)
             # The current round: its number, who was planned into it, who
             # has pushed for it (bool [N] each), each planned slice.
-            self.round = ps_variable("sync/round", [], tf.int64, zeros, True)
-            self.planned = ps_variable("sync/planned", n, tf.bool, zeros,
-                                       True)
-            self.admitted = ps_variable("sync/admitted", n, tf.bool, zeros,
-                                        True)
-            self.slices = ps_variable("sync/slices", n + [2], tf.int64, zeros,
-                                      True)  # [first, end) per worker
-            self._timing_variables(n, zeros)
-            self._record_variables(n, zeros, train_steps)
+            self.round = _transient_zeros("sync/round", [], tf.int64)
+            self.planned = _transient_zeros("sync/planned", n, tf.bool)
+            self.admitted = _transient_zeros("sync/admitted", n, tf.bool)
+            self.slices = _transient_zeros(  # [first, end) per worker
+                "sync/slices", n + [2], tf.int64)
+            self._timing_variables(n)
+            self._record_variables(n, train_steps)
             # Set by the chief's Python side: end the loop at the next step
             # boundary (SIGTERM, too few workers).
-            self.halt = ps_variable("sync/halt", [], tf.int64, zeros, True)
+            self.halt = _transient_zeros("sync/halt", [], tf.int64)
             self.events = queues.shared_queue(  # see send_event
                 "sync/events",
                 [tf.int32, tf.int32, tf.int64, tf.int64, tf.float64],
@@ -126,64 +130,57 @@ class SharedState:
                            for k in range(num_workers)]
         self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
 
-    def _record_variables(self, n: list, zeros, train_steps: int) -> None:
+    def _record_variables(self, n: list, train_steps: int) -> None:
         """What the pushes and the averages held, on the current (ps 0)
         device."""
         # Per worker: [steps whose average held its gradient, the
         # examples it contributed to them] (int64 [N, 2]).
-        self.contributions = ps_variable(
-            "sync/contributions", n + [2], tf.int64, zeros, True)
-        self.stats = ps_variable("sync/stats", n + [NUM_STATS],
-                                 tf.float32, zeros, True)
+        self.contributions = _transient_zeros("sync/contributions", n + [2],
+                                              tf.int64)
+        self.stats = _transient_zeros("sync/stats", n + [NUM_STATS],
+                                      tf.float32)
         # [first, end) of each worker's latest push, as it computed it.
-        self.pushed_slices = ps_variable("sync/pushed_slices", n + [2],
-                                         tf.int64, zeros, True)
+        self.pushed_slices = _transient_zeros("sync/pushed_slices", n + [2],
+                                              tf.int64)
         # Per global step, what its average held (averaging.py's
         # step_record.py): [the admitted slices cover the global batch
         # exactly once (1) or not (0), then each worker's examples].
         # Steps applied before the chief's latest start are 0.
-        self.by_step = ps_variable(
-            "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]],
-            tf.int32, zeros, True)
+        self.by_step = _transient_zeros(
+            "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]], tf.int32)
 
-    def _timing_variables(self, n: list, zeros) -> None:
+    def _timing_variables(self, n: list) -> None:
         """Per worker, on the current (ps 0) device: its speed, how long
         its slices take, and what it was issued and answered last."""
         # Examples per second of each worker, averaged over its recent
         # rounds; 0 until measured. Balanced slices follow it.
-        self.speed = ps_variable("sync/speed", n, tf.float32, zeros, True)
+        self.speed = _transient_zeros("sync/speed", n, tf.float32)
         # The examples of each worker's recent slices, averaged alike: its
         # speed is this over slice_secs (a ratio of averages, not an
         # average of ratios, which a few unthrottled slices would skew).
-        self.slice_examples = ps_variable("sync/slice_examples", n,
-                                          tf.float32, zeros, True)
+        self.slice_examples = _transient_zeros("sync/slice_examples", n,
+                                               tf.float32)
         # Seconds from token to push of each worker's recent slices,
         # and when (ps 0's clock) and for which round its last token
         # was issued, and the last round it answered.
-        self.slice_secs = ps_variable("sync/slice_secs", n, tf.float32,
-                                      zeros, True)
-        self.issued_at = ps_variable("sync/issued_at", n, tf.float64,
-                                     zeros, True)
-        self.issued_round = ps_variable("sync/issued_round", n,
-                                        tf.int64, zeros, True)
-        self.answered = ps_variable("sync/answered", n, tf.int64, zeros,
-                                    True)
+        self.slice_secs = _transient_zeros("sync/slice_secs", n, tf.float32)
+        self.issued_at = _transient_zeros("sync/issued_at", n, tf.float64)
+        self.issued_round = _transient_zeros("sync/issued_round", n, tf.int64)
+        self.answered = _transient_zeros("sync/answered", n, tf.int64)
         # How often each worker was benched since it joined:
         # its probes come PROBE_SECS x 2^(times - 1) apart (pace.py).
-        self.benched = ps_variable("sync/benched", n, tf.int64, zeros, True)
+        self.benched = _transient_zeros("sync/benched", n, tf.int64)
         # The round of each worker's latest push, stale or not: the
         # membership watch hears from a worker by it.
-        self.last_push = ps_variable("sync/last_push", n, tf.int64,
-                                     zeros, True)
+        self.last_push = _transient_zeros("sync/last_push", n, tf.int64)
 
     def _gradient_rows(self, shard: int):
         """grad_dtype [N, n_s] on shard s's ps: row k is worker k's
         gradient sum of its latest slice."""
         with tf.device(self.shard_devices[shard]):
-            return ps_variable(
+            return _transient_zeros(
                 f"sync/grads_{shard}",
-                [self.num_workers, self.shard_sizes[shard]], self.grad_dtype,
-                tf.compat.v1.zeros_initializer(), transient=True)
+                [self.num_workers, self.shard_sizes[shard]], self.grad_dtype)
 
     def send_event(self, kind: int, worker, step=-1, round_=-1
                    ) -> tf.Operation:
