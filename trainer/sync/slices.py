@@ -18,7 +18,6 @@ import numpy as np
 import tensorflow as tf
 
 BALANCED, EQUAL = "balanced", "equal"
-MODES = (BALANCED, EQUAL)
 
 
 def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
