@@ -133,7 +133,7 @@ class WorkerStep:
 
 def training_loop(shared: state_lib.SharedState, step_body, start_token,
                   num_steps, train_steps: int, is_chief: bool,
-                  min_workers: int = 1, still_chief=None) -> dict:
+                  min_workers: int, still_chief) -> dict:
     """Runs from `start_token` (int64 [4]) inside one session.run.
 
     The loop ends after num_steps steps (slices, on a worker other than
@@ -163,8 +163,7 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
                     tf.equal(shared.halt.read_value(), 0),
                     state_lib.count(shared.roster.read_value())
                     >= min_workers))
-                if still_chief is not None:
-                    go = tf.logical_and(go, still_chief())
+                go = tf.logical_and(go, still_chief())
             return go
 
         done, next_token, stats = tf.while_loop(
