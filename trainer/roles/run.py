@@ -19,6 +19,7 @@ from trainer.roles import ps
 from trainer.roles import lifecycle
 from trainer.roles import takeover
 from trainer.roles import graph as worker_graph
+from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
@@ -156,10 +157,8 @@ def terminate() -> float:
         threading.Thread(target=role.halt, args=(
             "the chief was sent SIGTERM",), daemon=True).start()
         return CHIEF_GRACE_SECS
-    telling = threading.Thread(target=_quietly, args=(role.leave,),
-                               daemon=True)
-    telling.start()
-    telling.join(LEAVE_DEADLINE_SECS)
+    ThreadCall(lambda: _quietly(role.leave), "leave").done(
+        LEAVE_DEADLINE_SECS)
     logging.info("told the chief that this worker leaves")
     return 0.0
 
