@@ -54,7 +54,6 @@ class WorkerHandles:
     join_op: tf.Operation         # drops old tokens, asks the chief in
     leave_op: tf.Operation        # tells the chief we leave (SIGTERM)
     tokens_waiting: tf.Tensor     # int32 []: tokens in our queue
-    in_roster: tf.Tensor          # bool []: the chief counts us in
     roster: tf.Tensor             # bool [N]: who is in
     next_token: tf.Tensor         # int64 [4]: waits for one
     pushed_in: tf.Tensor          # feed int64 []: gradients we pushed
@@ -194,7 +193,6 @@ def _worker_handles(shared: state_lib.SharedState,
             join_op=coord.join_op(k),
             leave_op=shared.send_event(state_lib.LEAVING, k),
             tokens_waiting=shared.tokens[k].size(),
-            in_roster=shared.roster.read_value()[k],
             roster=shared.roster.read_value(),
             next_token=shared.next_token(k),
             pushed_in=pushed_in,

@@ -130,7 +130,7 @@ class Worker(WorkerRole):
                         f"{self.config.startup_timeout_secs:.0f} s "
                         "(--startup_timeout_secs)")
                 if now - asked > JOIN_AGAIN_SECS and not self.session.run(
-                        h.in_roster):
+                        h.roster)[self.k]:
                     self.session.run(h.join_op)
                     asked = now
                 time.sleep(POLL_SECS / 5)
