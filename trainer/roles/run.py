@@ -23,7 +23,6 @@ from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig, validate
-from trainer.common.errors import edge
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.worker import Worker
 

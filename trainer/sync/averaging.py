@@ -58,7 +58,6 @@ admitted at most once per round.
 
 import dataclasses
 
-import numpy as np
 import tensorflow as tf
 
 from trainer.learning import fixed_point
