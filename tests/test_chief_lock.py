@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tests import helpers
 from trainer.roles import takeover
+from trainer.roles.background import ThreadCall
 from trainer.sync import chief_lock
 
 
@@ -141,10 +142,10 @@ def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):
 
 
 def test_a_spare_gives_what_it_built_or_raises_its_error():
-    assert takeover.Spare(lambda: 42).get() == 42
+    assert ThreadCall(lambda: 42, "spare-chief").result() == 42
 
     def fails():
         raise ValueError("no test set")
 
     with pytest.raises(ValueError, match="no test set"):
-        takeover.Spare(fails).get()
+        ThreadCall(fails, "spare-chief").result()

@@ -76,13 +76,13 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
 
 
 def _spare_chief(config: TrainConfig, task: Task, data_dir,
-                 worker: Worker) -> takeover.Spare | None:
+                 worker: Worker) -> ThreadCall | None:
     """The chief's side of this worker, built beside its training: with
     other workers, this one may take over the chief's work, and building
     the chief's graph then, and placing its loop on every task, would
     stall the run as long as they take (tens of seconds on a starved
-    host). Returns a Spare of (Mnist with the test set, WorkerGraph,
-    takeover.Warmed or None)."""
+    host). Returns it building on a thread of its own: a ThreadCall of
+    (Mnist with the test set, WorkerGraph, takeover.Warmed or None)."""
     if task.cluster.num_workers == 1:
         return None
 
@@ -101,7 +101,7 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
             return mnist, graph, None
         return mnist, graph, _warmed(config, task, worker.server, graph)
 
-    return takeover.Spare(build)
+    return ThreadCall(build, "spare-chief")
 
 
 def _warmed(config: TrainConfig, task: Task, server,
@@ -126,12 +126,12 @@ def _warmed(config: TrainConfig, task: Task, server,
 
 
 def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
-               spare: takeover.Spare, claimed: takeover.TakeOver) -> None:
+               spare: ThreadCall, claimed: takeover.TakeOver) -> None:
     """This worker's process takes over the chief's work, on the same
     server: the chief's graph (the spare's), the test set, the logdir."""
     checkpoints.prepare_logdir(config.logdir)
     worker.in_the_run.set()   # taking over before joining: wait no more
-    mnist, graph, warmed = spare.get()
+    mnist, graph, warmed = spare.result()
     chief = Chief(config, task, server, mnist, taking_over=claimed,
                   graph=graph, warmed=warmed)
     _running[:] = [chief]

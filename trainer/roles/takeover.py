@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread, ThreadCall
+from trainer.roles.background import BackgroundThread
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
 BEAT_SECS = 0.5
@@ -207,18 +207,6 @@ class Warmed:
     session: tf.compat.v1.Session
     loop: Callable
     epoch: dict
-
-
-class Spare(ThreadCall):
-    """What a worker needs to take over, built on a thread of its own:
-    `get()` waits for it and returns build()'s value, or raises its
-    error."""
-
-    def __init__(self, build: Callable[[], object]):
-        super().__init__(build, "spare-chief")
-
-    def get(self):
-        return self.result()
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:
