@@ -80,13 +80,12 @@ def test_durations_can_be_capped():
     assert all(f.secs is None or f.secs <= 12.0 for f in faults)
 
 
-def _logdir(tmp_path, record, steps_this_run=None):
+def _logdir(tmp_path, record, record_from=0):
     tmp_path.mkdir(parents=True, exist_ok=True)
     np.save(tmp_path / checker.RECORD_FILE, np.asarray(record, np.int32))
-    steps = len(record)
     (tmp_path / "results.json").write_text(json.dumps({
-        "flags": {"batch_size": 8}, "global_step": steps,
-        "steps_this_run": steps if steps_this_run is None else steps_this_run}))
+        "flags": {"batch_size": 8}, "global_step": len(record),
+        "record_from": record_from}))
     return tmp_path
 
 
@@ -99,9 +98,13 @@ def test_the_checker_finds_a_step_short_of_the_batch(tmp_path):
     twice = [[1, 5, 3], [0, 5, 3], [1, 5, 3], [1, 5, 3]]
     assert "first [1]" in checker.steps(_logdir(tmp_path / "c", twice), [],
                                         4)[0]
-    # Steps before the chief's latest start are not in its record.
+    # Steps before the last initialize or restore are not in the record.
     early = [[0, 0, 0], [0, 0, 0], [1, 5, 3], [1, 5, 3]]
     assert checker.steps(_logdir(tmp_path / "d", early, 2), [], 4) == []
+    # Step 2 applied by two chiefs.
+    applied_twice = [[1, 5, 3], [1, 5, 3], [2, 5, 3], [1, 5, 3]]
+    assert "first [2]" in checker.steps(
+        _logdir(tmp_path / "e", applied_twice), [], 4)[0]
 
 
 def test_the_checker_finds_a_step_that_went_back(tmp_path):

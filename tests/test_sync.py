@@ -41,8 +41,9 @@ def test_a_step_averages_every_member_weighted_by_its_slice(cluster):
 
 
 def test_each_step_records_what_its_average_held(cluster):
-    """The invariant checker's record: per step, whether the admitted
-    slices cover the global batch exactly once, and each one's examples."""
+    """The invariant checker's record: per step, how many times it was
+    applied with the admitted slices covering the global batch exactly
+    once, and each one's examples."""
     rng = np.random.default_rng(5)
     protocol = Protocol(cluster, num_workers=3)
     protocol.join(1, 2)
@@ -60,6 +61,14 @@ def test_each_step_records_what_its_average_held(cluster):
     protocol.admit(tokens[0])
     protocol.apply(1)
     assert protocol.read(protocol.shared.by_step)[1].tolist() == [0, 22, 21,
+                                                                  21]
+    # Step 2 applied twice (as by two chiefs, if the lock let both): 2.
+    for _ in range(2):
+        tokens = round_tokens(protocol, 2, [1, 2])
+        push_all(protocol, rng, tokens)
+        protocol.admit(tokens[0])
+        protocol.apply(2)
+    assert protocol.read(protocol.shared.by_step)[2].tolist() == [2, 22, 21,
                                                                   21]
 
 

@@ -72,6 +72,7 @@ class ChiefReport:
     membership: list      # every roster change
     broken_steps: int     # steps not averaging the global batch once
     step_breakdown: dict | None = None   # traced step phases (tracing.py)
+    record_from: int = 0  # the per-step record's first step (step_record)
 
 
 def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,
@@ -85,6 +86,7 @@ def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,
         **results_fields(outcome, config, train_steps),
         "global_step": train_steps,
         "steps_this_run": counts.steps_this_run,
+        "record_from": counts.record_from,
         "num_workers": cluster.num_workers,
         "num_ps": cluster.num_ps,
         "replicas_to_aggregate": config.replicas_to_aggregate(

@@ -74,9 +74,12 @@ class Chief(WorkerRole):
                                               self.k, True, writer)
         writer.close()
         counted = self._counted_before + self.session.run(ops.contributions)
+        # From the last initialize or restore, across takeovers: a step
+        # applied by two chiefs reads 2 (step_record.py).
+        record_from = int(self.session.run(ops.record_from))
         self.broken_steps = step_record.save_and_check(
             logdir, self.session.run(ops.by_step), self.config.batch_size,
-            step, self.train_steps, self.config.backup_workers)
+            record_from, self.train_steps, self.config.backup_workers)
         # The chief pushes once per round: its rounds of this launch.
         self.pushed = int(self.session.run(self.g.handles.round)) - (
             self._first_round)
@@ -92,7 +95,8 @@ class Chief(WorkerRole):
             results_lib.ChiefReport(
                 self.train_steps - step, counted,
                 {self.k: self.pushed, **pushed},
-                watch.records, len(self.broken_steps), step_breakdown))
+                watch.records, len(self.broken_steps), step_breakdown,
+                record_from))
         ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
 
@@ -314,6 +318,7 @@ class Chief(WorkerRole):
             restored = checkpoints.restore_newest_readable(
                 ops.saver, self.session, logdir)
             self.session.run(ops.transient_init_op)
+            self.session.run(ops.set_record_from)
             step = int(self.session.run(self.g.handles.global_step))
             logging.info("restored %s (global step %d)", restored, step)
             self._counted_before = self._counted_at_save.get(

@@ -93,6 +93,8 @@ class ChiefOps:
     take_finished: tuple              # (workers int32 [n], steps int64 [n])
     contributions: tf.Tensor          # int64 [N, 2]: steps, examples
     by_step: tf.Tensor                # int32 [steps, 1 + N] (state.py)
+    record_from: tf.Tensor            # int64 []: by_step's first step
+    set_record_from: tf.Operation     # record_from = the global step
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
@@ -216,6 +218,9 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         take_finished = coord.take_reports()
         contributions = shared.contributions.read_value()
         by_step = shared.by_step.read_value()
+        record_from = shared.record_from.read_value()
+        set_record_from = shared.record_from.assign(
+            shared.global_step.read_value(), read_value=False)
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     saver, checkpoint_shapes = checkpoint_saver(
@@ -245,7 +250,8 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),
         take_finished=take_finished, contributions=contributions,
-        by_step=by_step,
+        by_step=by_step, record_from=record_from,
+        set_record_from=set_record_from,
         stop_reason_in=stop_reason_in,
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=coord.shutdown_ops(num_ps, devices.ps_device,

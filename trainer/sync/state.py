@@ -142,10 +142,13 @@ class SharedState:
         # [first, end) of each worker's latest push, as it computed it.
         self.pushed_slices = _transient_zeros("sync/pushed_slices", n + [2],
                                               tf.int64)
-        # Per global step, what its average held (averaging.py's
-        # step_record.py): [the admitted slices cover the global batch
-        # exactly once (1) or not (0), then each worker's examples].
-        # Steps applied before the chief's latest start are 0.
+        # Per global step, what its average held (step_record.py): [how
+        # many times it was applied with the admitted slices covering the
+        # global batch exactly once, then each worker's examples].
+        # The step from which by_step holds every step applied (int64 []):
+        # where the chief last initialized or restored; steps before it
+        # are 0. A chief that takes over goes on with the record as it is.
+        self.record_from = _transient_zeros("sync/record_from", [], tf.int64)
         self.by_step = _transient_zeros(
             "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]], tf.int32)
 

@@ -1,10 +1,13 @@
 """The per-step record: what each global step's average held.
 
 The chief's graph writes one row per step as it applies it (int32 [1 + N]:
-whether the admitted slices covered the global batch exactly once, then
-each worker's examples), into `sync/averaged_by_step` on ps 0. The chief
-saves it to RECORD_FILE in --logdir and logs any step that missed; the
-nemesis judges every step by it (invariant I1, trainer/sync/averaging.py).
+how many times the step was applied with the admitted slices covering the
+global batch exactly once, then each worker's examples), into
+`sync/averaged_by_step` on ps 0. A step must read 1: 0 if its average
+missed or doubled an example, 2 if two chiefs (or one, twice) applied it
+(invariants I1 and I7, trainer/sync/averaging.py). The chief saves the
+record to RECORD_FILE in --logdir and logs any step that is not 1; the
+nemesis judges every step by it.
 """
 
 import pathlib
@@ -20,10 +23,10 @@ RECORD_FILE = "averaged_by_step.npy"
 
 def record_step(s, global_batch: int, step, admitted, examples
                 ) -> tf.Operation:
-    """by_step[step] of SharedState `s` = [the admitted workers' pushed
-    slices cover rows [0, global batch) exactly once, then each one's
-    examples] (admitted: bool [N], examples: float32 [N] from their
-    stats rows)."""
+    """by_step[step] of SharedState `s` = [what it held before, plus 1
+    if the admitted workers' pushed slices cover rows [0, global batch)
+    exactly once; then each one's examples] (admitted: bool [N],
+    examples: float32 [N] from their stats rows)."""
     pushed = s.pushed_slices.read_value()
     rows = tf.range(global_batch, dtype=tf.int64)
     covers = tf.logical_and(rows[None, :] >= pushed[:, :1],
@@ -31,16 +34,18 @@ def record_step(s, global_batch: int, step, admitted, examples
     times = tf.reduce_sum(tf.cast(tf.logical_and(
         covers, admitted[:, None]), tf.int32), axis=0)
     once = tf.reduce_all(tf.equal(times, 1))
-    row = tf.concat([tf.cast(once, tf.int32)[None],
-                     tf.cast(tf.round(examples), tf.int32)], axis=0)
     index = tf.minimum(step, s.by_step.shape[0] - 1)
+    # Added, not set: a step applied twice reads 2.
+    applied = s.by_step.read_value()[index, 0] + tf.cast(once, tf.int32)
+    row = tf.concat([applied[None],
+                     tf.cast(tf.round(examples), tf.int32)], axis=0)
     return state_lib.set_at(s.by_step, index[None], row)
 
 
 def steps_not_once(record: np.ndarray, batch: int, first: int,
                    end: int) -> list[int]:
     """The steps in [first, end) of a record (int32 [steps, 1 + N],
-    record_step's) whose admitted slices did not cover the global batch
+    record_step's) not applied exactly once with the global batch covered
     exactly once, or whose examples do not sum to it."""
     return [first + i for i, row in enumerate(record[first:end])
             if row[0] != 1 or row[1:].sum() != batch]
@@ -55,7 +60,8 @@ def save_and_check(logdir: pathlib.Path, record: np.ndarray, batch: int,
     broken = steps_not_once(record, batch, first, end)
     if broken and not backup_workers:
         logging.error(
-            "%d steps did not average the global batch exactly once "
-            "(first: %s); the run is not exact: please report it",
+            "%d steps did not average the global batch exactly once, or "
+            "were applied twice (first: %s); the run is not exact: please "
+            "report it",
             len(broken), broken[:5])
     return broken

@@ -95,7 +95,9 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     else:
         results = json.loads(results_path.read_text())
         batch = int(results["flags"]["batch_size"])
-        first = int(results["global_step"]) - int(results["steps_this_run"])
+        # Every step since the last initialize or restore, whichever
+        # chief applied it: a step applied twice reads 2.
+        first = int(results["record_from"])
         short = step_record.steps_not_once(np.load(path), batch, first,
                                          train_steps)
         if short:
