@@ -35,8 +35,11 @@ def record_step(s, global_batch: int, step, admitted, examples
         covers, admitted[:, None]), tf.int32), axis=0)
     once = tf.reduce_all(tf.equal(times, 1))
     index = tf.minimum(step, s.by_step.shape[0] - 1)
-    # Added, not set: a step applied twice reads 2.
-    applied = s.by_step.read_value()[index, 0] + tf.cast(once, tf.int32)
+    # Added, not set: a step applied twice reads 2. (A gather of the one
+    # row: the record has a row per step of the run, and a read of all of
+    # it each step is as slow as the run is long.)
+    applied = s.by_step.sparse_read(index[None])[0, 0] + tf.cast(
+        once, tf.int32)
     row = tf.concat([applied[None],
                      tf.cast(tf.round(examples), tf.int32)], axis=0)
     return state_lib.set_at(s.by_step, index[None], row)
