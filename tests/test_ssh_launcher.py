@@ -133,6 +133,19 @@ class Launch:
         self.reader.join(timeout=10)
         return status
 
+    def stop(self) -> None:
+        """Ends the launch if it still runs: Ctrl-C first, which stops the
+        tasks on every host (a SIGKILL would leave them running there,
+        holding the hosts' ports for the next test), then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
 
 def test_three_hosts_train_to_the_end_like_the_local_launcher(
         hosts, data, tmp_path):
@@ -169,8 +182,7 @@ def test_ctrl_c_saves_where_the_run_is_and_stops_every_host(
         run.process.send_signal(signal.SIGINT)
         assert run.wait(timeout=90) == 130, run.output[-4000:]
     finally:
-        if run.process.poll() is None:
-            run.process.kill()
+        run.stop()
     at = int(re.search(r"the chief was sent SIGTERM at global step (\d+)",
                        run.output).group(1))
     saved = int(re.search(r"saved a checkpoint at step (\d+)",
@@ -250,6 +262,5 @@ def test_a_worker_whose_host_drops_out_is_started_again_when_it_is_back(
         run.process.send_signal(signal.SIGINT)
         assert run.wait(timeout=90) == 130, run.output[-4000:]
     finally:
-        if run.process.poll() is None:
-            run.process.kill()
+        run.stop()
     assert trainer_processes(hosts) == []
