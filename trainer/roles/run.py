@@ -87,6 +87,10 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
         return None
 
     def build():
+        # Only once this worker is in the run (or takes over first):
+        # building a graph is Python that holds the GIL, and beside the
+        # worker's own start it would delay the worker's first step.
+        joined = worker.in_the_run.wait(config.startup_timeout_secs)
         test = data_lib.load(data_dir, config.download,
                              data_lib.mirror_list(config.data_url),
                              need_train=False)
@@ -97,7 +101,7 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
             config, task, len(mnist.train_labels), len(mnist.test_labels),
             worker.train_steps, as_chief=True)
         # The variables the loop reads exist once the chief took us in.
-        if not worker.in_the_run.wait(config.startup_timeout_secs):
+        if not joined:
             return mnist, graph, None
         return mnist, graph, _warmed(config, task, worker.server, graph)
 
