@@ -22,38 +22,32 @@ I7. At most one chief acts: every write here happens only while ps 0's
 
 For global step t the chief runs rounds until one completes:
 
-1. Plan: the members are the roster (who is in: the chief, and every
-   worker that joined and has not left). The chief cuts the global batch
-   into one slice per member (trainer/sync/slices.py: equal, or balanced
-   by measured speed), bumps the round number r and hands member k the
-   token (t, r, first, end). Workers that joined since the last plan are
-   in it; workers that left are not.
-2. Each member pulls the parameters, computes the sum of its per-example
-   gradients over its slice and pushes it into its row
-   (trainer/sync/transport.py), then announces (PUSHED, k, t, r).
-3. Admit: the chief takes events until every member of round r has
-   pushed for (t, r) (with --backup_workers=b, all but b). A push for
-   another step or round is stale: dropped and counted. A worker that
-   joins is added to the roster for the next plan. A member that leaves
-   (lost, or SIGTERM) before pushing ends the round unfinished; so does a
-   minority of members far past the round's deadline (balanced slices,
-   trainer/sync/pace.py), which are then benched (sit rounds out).
-4. If the round finished: average the admitted rows, dividing their sum
-   by their example count, which is the gradient of the whole global
-   batch (without backups); apply it; count each admitted worker; set
-   global_step = t + 1. If not: plan step t again among those left, so the
-   lost worker's examples are computed by the others. Nothing applied is
-   ever redone, and every applied step averaged the whole batch.
+1. Plan: cut the global batch into one slice per member of the roster
+   (trainer/sync/slices.py: equal, or balanced by measured speed), bump
+   the round number r and hand member k the token (t, r, first, end).
+2. Each member pulls the parameters, pushes the sum of its per-example
+   gradients over its slice into its row (trainer/sync/transport.py) and
+   announces (PUSHED, k, t, r).
+3. Admit: take events until every member of round r has pushed for
+   (t, r) (with --backup_workers=b, all but b). A push for another step
+   or round is stale: dropped and counted. A worker that joins is in the
+   next plan. A member that leaves (lost, or SIGTERM) before pushing ends
+   the round unfinished; so does a member far past the round's deadline
+   (balanced slices, trainer/sync/pace.py), which is then benched.
+4. If the round finished: apply the admitted rows' sum divided by their
+   example count, the gradient of the whole global batch (without
+   backups); count each admitted worker; set global_step = t + 1. If
+   not: plan step t again among those left, who compute the lost
+   worker's examples. Nothing applied is ever redone.
 
 Why this is exact whoever computes: each row is a gradient sum over its
-slice, dropout masks depend on the example, not the worker
-(trainer/learning/replica.py), so the average of a step does not depend
-on how its batch was cut, or on which worker computed which slice.
+slice, and dropout masks depend on the example, not the worker
+(trainer/learning/replica.py), so a step's average does not depend on
+how its batch was cut or who computed which slice.
 
-Why not plain `SyncReplicasOptimizer`: its workers take their tokens from
-one shared queue, so a fast worker can take a slow one's token and count
-twice in a step. Here every worker has its own token queue and row, and is
-admitted at most once per round.
+Why not plain `SyncReplicasOptimizer`: its workers share one token
+queue, so a fast worker can take a slow one's token and count twice in a
+step. Here every worker has its own token queue and row.
 """
 
 import dataclasses
@@ -283,12 +277,9 @@ class Averaging:
                 return s.roster.read_value()
 
     def average(self, rows: tf.Tensor) -> tuple[list, tf.Tensor]:
-        """The example-weighted mean of the gradients in `rows` (admit).
-
-        Returns:
-          mean_grads: float32 [n_s] per shard, each on its ps.
-          stats: float32 [3], summed over the admitted workers.
-        """
+        """The example-weighted mean of the gradients in `rows` (admit):
+        (mean_grads, float32 [n_s] per shard on its ps; stats, float32 [3]
+        summed over the admitted workers)."""
         s = self.shared
         with tf.device(self.device):
             stats = tf.reduce_sum(s.stats.sparse_read(rows), axis=0)
