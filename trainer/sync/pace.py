@@ -1,8 +1,8 @@
 """How fast each member is, as the rule (trainer/sync/averaging.py) sees
-it: every worker's speed and slice time, who is benched (sits rounds
-out), when a benched worker is probed, and when a round stops waiting for
-a member far behind the others. All of it acts with balanced slices only;
-`--slices=equal` keeps every member in every round and waits for all.
+it: every worker's speed and slice time, who is benched, when a benched
+worker is probed, and when a round stops waiting for a member far behind
+the others. All of it acts with balanced slices only; `--slices=equal`
+keeps every member in every round and waits for all.
 
 A slice is timed from the plan that issued its token to its push, both on
 ps 0's clock (the event's time is stamped as it arrives there).
@@ -18,16 +18,15 @@ from trainer.sync.state import LATE, PUSHED, count as count_of, set_if
 SPEED_MEMORY = 0.7
 # A member whose slices take BENCH_FACTOR times as long as every other
 # member's, even with its balanced slice, or whose balanced share would be
-# under MIN_SHARE of an equal one, sits rounds out: its fixed cost per
-# round, not its share, would hold every step (slices.benched). PROBE_SECS
-# after its last token it gets a probe: an equal slice, timed but not
-# waited for. Equal, not its tiny balanced share: a few examples finish
-# fast on a starved host's refilled CPU budget and would let it back for
-# rounds it then holds.
-# Each time it is benched again (a probe made it look fast, its rounds did
-# not), its probes come twice as far apart, up to 2^MAX_BACKOFF times:
-# seconds, not steps, so that a worker fast again is back within a bound
-# of time however fast the steps run.
+# under MIN_SHARE of an equal one, is benched: its fixed cost per round,
+# not its share, would hold every step (slices.benched). PROBE_SECS after
+# its last token it gets a probe: an equal slice, timed but not waited
+# for. Equal, not its tiny balanced share: a few examples finish fast on a
+# starved host's refilled CPU budget and would let it back for rounds it
+# then holds. Each time it is benched again (a probe made it look fast,
+# its rounds did not), its probes come twice as far apart, up to
+# 2^MAX_BACKOFF times: seconds, not steps, so that a worker fast again is
+# back within a bound of time however fast the steps run.
 BENCH_FACTOR, MIN_SHARE, PROBE_SECS, MAX_BACKOFF = 2.0, 0.25, 2.0, 2
 # A round stops waiting for a member that has not pushed LATE_FACTOR
 # times the second slowest member's recent slice time (at least
@@ -60,15 +59,11 @@ class Pace:
 
     def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
         """Which benched workers (out: bool [N]) get a probe in a round
-        planned at `now` (ps 0's clock, float64 []): bool [N], and the op
-        that counts the members benched since the last plan (the plan's
-        writes must wait for it: it reads sync/planned).
-
-        A benched worker with no slice outstanding gets, once PROBE_SECS x
-        2^(times benched - 1) have passed since its last token, an equal
-        slice: its time is measured, its gradient is not waited for
-        (trainer/sync/slices.py).
-        """
+        planned at `now` (ps 0's clock, float64 []): bool [N], those with
+        no slice outstanding PROBE_SECS x 2^(times benched - 1) after
+        their last token; and the op that counts the members benched since
+        the last plan (the plan's writes must wait for it: it reads
+        sync/planned)."""
         s = self.shared
         before = s.benched.read_value()
         newly = tf.logical_and(out, tf.logical_or(
@@ -110,10 +105,10 @@ class Pace:
         (the chief counts as pushed: it pushes before taking events). The
         late member's slice time becomes at least the time it has taken so
         far, and over BENCH_FACTOR times every punctual member's, which
-        benches it at the next plan (slices.benched); its push, when it
-        comes, is timed. Two or more late members are waited for: the
-        bench rule could bench neither, each as slow as the other, and
-        the same members would redo the step."""
+        benches it at the next plan; its push, when it comes, is timed.
+        Two or more late members are waited for: the bench rule could
+        bench neither, each as slow as the other, and the same members
+        would redo the step."""
         s = self.shared
         planned, admitted = s.planned.read_value(), s.admitted.read_value()
         late = tf.logical_and(tf.logical_and(planned, tf.logical_not(
@@ -159,14 +154,13 @@ class Pace:
     def timing(self, kind, worker, for_round, sent_at, fresh_start,
                planned) -> tuple:
         """A push timed from the issue of its token (a slice of this round,
-        or a benched worker's probe that arrives rounds later): (timed:
-        bool [], the worker's slice examples and slice time averaged with
-        it: float32 []).
-        fresh_start (bool []): the worker's measures restart at 0.
-        planned (bool []): the worker is in this round's plan; a push from
-        outside it (a probe, or a slice a deadline left behind) replaces
-        the old measure, which is what benched the worker: averaged with
-        it, a worker fast again would need many probes to come back."""
+        or a probe that arrives rounds later): (timed: bool [], the
+        worker's slice examples and slice time averaged with it: float32
+        []). fresh_start (bool []): its measures restart at 0. planned
+        (bool []): it is in this round's plan; a push from outside it (a
+        probe, or a slice a deadline left behind) replaces the old
+        measure, which benched the worker: averaged with it, a worker fast
+        again would need many probes to come back."""
         s = self.shared
         # A worker's first slice since it joined (answered 0) includes
         # warming up its session and graph, often 10x a later slice: kept,
