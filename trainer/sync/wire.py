@@ -5,22 +5,20 @@ whose bandwidth bounds the step (every step moves every parameter ps ->
 worker and every gradient worker -> ps), the values can cross in 16 bits
 instead, which halves the bytes:
 
-- `bfloat16` (recommended): float32's 8-bit exponent, so float32's range
-  (to 3.4e38), with 8 significant bits: a relative rounding error of at
-  most 2^-8. What float32 can hold, it can (bar its top 0.4%).
+- `bfloat16` (recommended): float32's 8-bit exponent, so its range (to
+  3.4e38), with 8 significant bits: a relative error of at most 2^-8.
 - `float16`: 11 significant bits (error at most 2^-11), but a range of
   only +-65504; values below 6e-5 lose precision and below 3e-8 become 0.
-  A worker sends the SUM of its examples' gradients, which can pass 65504;
-  it then crosses as inf, and the update and every later loss become inf
-  or NaN. Accepted for models whose gradient sums are known to be small;
-  risky otherwise, and never faster than bfloat16.
+  A worker's gradient SUM can pass 65504 and cross as inf; the update and
+  every later loss are then inf or NaN. Only for models whose gradient
+  sums are known to be small, and never faster than bfloat16.
 - `float32` (default): no cast at all; the graph is what it was before the
   wire format existed.
 
-Where it applies (trainer/sync/averaging.py): the ps rounds its shard to the wire
-dtype before sending it and turns the gradient rows back into float32 on
-arrival; the worker does the opposite. The update is the float32 mean of
-the wire-rounded gradient sums, computed on wire-rounded parameters.
+The ps rounds its shard to the wire dtype before sending it and turns the
+gradient rows back into float32 on arrival; the worker does the opposite
+(trainer/sync/transport.py). The update is the float32 mean of the
+wire-rounded gradient sums, computed on wire-rounded parameters.
 
 Fixed-point gradient sums (--deterministic, trainer/learning/fixed_point.py)
 are int64 and cross as they are, at twice float32's bytes; they do not
@@ -43,10 +41,8 @@ assert tuple(DTYPES) == WIRE_DTYPES
 
 
 def wire_dtype(value) -> tf.DType:
-    """The wire dtype named by `value` (a tf.DType or its name).
-
-    Raises UserError for anything but float32, bfloat16 or float16.
-    """
+    """The wire dtype named by `value` (a tf.DType or its name); raises
+    UserError for anything but float32, bfloat16 or float16."""
     try:
         dtype = tf.as_dtype(value)
     except (TypeError, ValueError):
@@ -60,10 +56,7 @@ def wire_dtype(value) -> tf.DType:
 
 def to_wire(values: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
     """float32 [n] -> dtype [n], rounded to nearest even; no op for float32.
-
-    Build it on the sending device, so that the narrow tensor is the one
-    that crosses.
-    """
+    Build it on the sending device, so that the narrow tensor crosses."""
     return values if dtype == tf.float32 else tf.cast(values, dtype)
 
 
@@ -81,11 +74,8 @@ def exact_size(dtype: tf.DType, num_elements: int, wire: tf.DType) -> int:
 
 def bits_to_wire(value: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     """The bits of `value` (int64 [] or [n], float32 [n]) as a wire [m]
-    vector.
-
-    m = exact_size(value.dtype, elements, wire); `bits_from_wire` restores
-    `value` bit for bit.
-    """
+    vector, m = exact_size(value.dtype, elements, wire); `bits_from_wire`
+    restores `value` bit for bit."""
     if value.dtype == wire:
         return value
     bits = tf.bitcast(value, wire)  # adds a last axis of size m / elements
@@ -101,4 +91,3 @@ def bits_from_wire(bits: tf.Tensor, dtype: tf.DType,
         # bitcast to a wider type takes a last axis of the ratio
         bits = tf.reshape(bits, list(shape) + [dtype.size // bits.dtype.size])
     return tf.bitcast(bits, dtype)
-
