@@ -4,22 +4,20 @@ Why: TCP shares a ps link fairly among the workers' pulls, so without an
 order every worker has its parameters only when all of them have, about
 N x (parameter bytes) / (link rate) into the step, and then all N
 gradients queue for the ps link together: a step bound by the ps link
-takes up to 2N transfer times. In turn, worker 0 has its parameters after
-one transfer time and computes and pushes while worker 1 pulls, and so on,
-so the step takes about N + 1 transfer times, which is the ps-link bound
-(derived in trainer/bench/simhosts/bound.py). On a link that does not
-bound the step the order only adds a small message per worker (see the
-README's figures).
+takes up to 2N transfer times. In turn, worker 0 computes and pushes
+while worker 1 pulls, and so on: about N + 1 transfer times, the ps-link
+bound (derived in trainer/bench/simhosts/bound.py). On a link that does
+not bound the step the order only adds a small message per worker (see
+the README's figures).
 
-How: per ps shard s, a queue of step numbers per worker,
+How: per ps shard s and worker k, a queue of step numbers,
 `sync/pull_turn_<s>_<k>` on that shard's ps. Shard s serves the workers
-in the order s, s + 1, ..., s + N - 1 (mod N): with several ps tasks each
-starts with another worker, so that no worker's own link has to take two
-shards at once while the other links idle. A worker reads shard s for
-step t only after taking a turn >= t from its queue (turns for earlier
-steps are stale: taken and skipped); its predecessor in that order puts t
-there once its own copy of shard s for step t has arrived. The first
-worker of each order (worker 0 for shard 0) never waits.
+in the order s, s + 1, ..., s + N - 1 (mod N): with several ps tasks, no
+worker's link has to take two shards at once while the others idle. A
+worker reads shard s for step t only after taking a turn >= t from its
+queue (turns for earlier steps are stale: skipped); its predecessor in
+that order puts t there once its own copy of shard s for step t has
+arrived. The first worker of each order never waits.
 
 A turn lost with a process, or never passed by a worker that is not in
 the round, must not hold up the workers after it:
@@ -28,17 +26,17 @@ the round, must not hold up the workers after it:
   * a (re)started chief, and a chief that stops the run, put RELEASE in
     every queue, which lets a waiting worker through whatever step it
     waits for. Its gradient counts if the new chief resumed at that very
-    step, and is otherwise for a step that is over and dropped like any
-    stale one (trainer/sync/averaging.py); either way only its pull was out of
-    order. A RELEASE nobody waited for lets one later pull through out
-    of order, which costs nothing.
+    step, and is otherwise stale and dropped (trainer/sync/averaging.py);
+    either way only its pull was out of order. A RELEASE nobody waited
+    for lets one later pull through out of order, which costs nothing.
 
-When a round is planned again for the same step (a member left), the
-members pass their turns again; a turn left over from the first round
-lets a pull through early, which costs only the order.
+A round planned again for the same step (a member left) passes the turns
+again; a turn left over from the first round lets a pull through early,
+which costs only the order.
 
-Backup workers and ordered pulls do not mix (trainer/common/config.py refuses
-it): a late worker would hold back the pulls of every worker after it.
+Backup workers and ordered pulls do not mix (trainer/common/config.py
+refuses it): a late worker would hold back the pulls of every worker
+after it.
 """
 
 import tensorflow as tf
@@ -61,8 +59,8 @@ class PullTurns:
         for s, device in enumerate(shard_devices if ordered else []):
             with tf.device(device):
                 for k in range(num_workers):
-                    self.queues[s, k] = queues.step_queue(
-                        f"sync/pull_turn_{s}_{k}")
+                    self.queues[s, k] = queues.shared_queue(
+                        f"sync/pull_turn_{s}_{k}", [tf.int64], [[]])
 
     def _first(self, shard: int) -> int:
         return shard % self.num_workers

@@ -21,8 +21,3 @@ def put_if(queue, when: tf.Tensor, element) -> tf.Operation:
     element = [tf.cast(c, dtype) for c, dtype in zip(element, queue.dtypes)]
     return queue.enqueue_many([tf.broadcast_to(c, [count, *c.shape])
                                for c in element])
-
-
-def step_queue(shared_name: str):
-    """A shared queue of step numbers (int64 scalars)."""
-    return shared_queue(shared_name, [tf.int64], [[]])
