@@ -28,29 +28,21 @@ from trainer.sync.state import JOINED, REJOIN, STOP
 
 
 def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
-    """The queue ps task `ps_index` waits on before it exits.
-
-    Build it under that ps task's device; the chief puts one element in it
-    when the run is over: 0 if training finished, 1 if the run failed.
-    """
+    """The queue ps task `ps_index` waits on before it exits (Shutdown,
+    above); build it under that ps task's device."""
     return queues.shared_queue(f"shutdown/ps_{ps_index}", [tf.int32], [[]])
 
 
 class RunCoordination:
     """Handshake, stop, reports: the shared state on ps 0 that is not
-    averaging. Every worker builds it alike, under ps 0's device."""
+    averaging. Every worker builds it alike."""
 
     def __init__(self, shared: state_lib.SharedState, pull_turns,
                  fingerprint: str, chief: int = 0):
-        """
-        Args:
-          shared: the protocol's state; its ps 0 also holds ours.
-          pull_turns: the ordered pulls' turns (released on start, stop).
-          fingerprint: text that describes the cluster and the run; every
-            worker compares its own with the chief's before training.
-          chief: the worker whose graph runs the chief's side (worker 0,
-            or one that took over the chief's work).
-        """
+        """pull_turns: released on start and stop. fingerprint: this
+        worker's description of the cluster and the run (the handshake's).
+        chief: the worker whose graph runs the chief's side (worker 0, or
+        one that took over the chief's work)."""
         self.shared, self.pull_turns = shared, pull_turns
         self.chief = chief
         self.device = device = shared.shard_devices[0]
@@ -137,9 +129,9 @@ class RunCoordination:
                 return self.shared.global_step.read_value()
 
     def take_reports(self) -> tuple:
-        """Dequeues the end-of-run reports queued so far, without waiting:
-        (workers int32 [n], gradients int64 [n]). Never blocking, it needs
-        no timeout, which could lose a report taken just as it expired."""
+        """The end-of-run reports queued so far, without waiting: (workers
+        int32 [n], gradients int64 [n]). Never blocking, it needs no
+        timeout, which could lose a report taken just as it expired."""
         with tf.device(self.device):
             return self.finished.dequeue_many(self.finished.size())
 
