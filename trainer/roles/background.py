@@ -14,9 +14,10 @@ from typing import Callable
 
 
 class BackgroundThread(abc.ABC):
-    """A daemon thread that calls `run_once` every `period` seconds until
-    it is stopped or `run_once` returns False (a context manager: enter
-    starts it, exit stops it and joins it for at most `join_secs`).
+    """A daemon thread, named `name` (in stack dumps), that calls
+    `run_once` every `period` seconds (0: back to back) until it is
+    stopped or `run_once` returns False. A context manager: enter starts
+    it, exit stops it and joins it for at most `join_secs`.
 
     A subclass whose rhythm is not a fixed period (it blocks in a read
     of its own) overrides `loop`, waiting with `wait` so that a stop cuts
@@ -24,12 +25,6 @@ class BackgroundThread(abc.ABC):
     """
 
     def __init__(self, name: str, period: float, join_secs: float):
-        """
-        Args:
-          name: the thread's name (in stack dumps).
-          period: seconds between run_once calls (0: back to back).
-          join_secs: how long stop() waits for the thread to end.
-        """
         self.period, self._join_secs = period, join_secs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.loop, daemon=True,

@@ -26,14 +26,10 @@ class RoundDeadlines(BackgroundThread):
 
     def __init__(self, session, take: tf.Tensor, late_op: tf.Operation,
                  step_in: tf.Tensor, round_in: tf.Tensor):
-        """
-        Args:
-          session: the chief's session (used concurrently, as the
-            membership watch does).
-          take: (steps int64 [n], rounds int64 [n], seconds float32 [n]):
-            every queued request, waiting for at least one.
-          late_op: sends LATE for (step_in, round_in).
-        """
+        """session: the chief's, used concurrently (as the membership
+        watch does). take: every queued request, waiting for at least one:
+        (steps int64 [n], rounds int64 [n], seconds float32 [n]). late_op:
+        sends LATE for (step_in, round_in)."""
         # No period: each take waits up to TAKE_TIMEOUT_MS by itself.
         super().__init__("round-deadlines", 0.0,
                          TAKE_TIMEOUT_MS / 1000 * 4)

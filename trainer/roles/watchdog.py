@@ -54,21 +54,16 @@ class Watchdog(BackgroundThread):
                  timeout_flag: str = "--worker_timeout_secs",
                  on_return: Callable[[float], None] | None = None,
                  return_after_secs: float = 0.0):
-        """
-        Args:
-          read_progress: () -> (global step, admitted flags per worker).
-          describe_missing: admitted flags -> who the step waits for.
-          timeout_secs: how long the step may stand still.
-          on_timeout: (step, who) -> None, called once, from the thread;
-            step is None when no read has succeeded in this busy period.
-          unreachable: `who` when the last reads failed.
-          timeout_flag: the flag that sets timeout_secs, named in the
-            warnings.
-          on_return: (seconds without an answer) -> None, called once,
-            from the thread, when ps 0 answers again after at least
-            return_after_secs without answering (a worker whose link came
-            back joins again: trainer/roles/lifecycle.py).
-        """
+        """read_progress: () -> (global step, admitted flags per worker);
+        describe_missing: admitted flags -> who the step waits for.
+        on_timeout(step, who) is called once, from the thread, when the
+        step stood still for timeout_secs (step None: no read succeeded in
+        this busy period; who: `unreachable` if the last reads failed).
+        timeout_flag: the flag that sets timeout_secs, for the warnings.
+        on_return(seconds without an answer) is called once, from the
+        thread, when ps 0 answers again after at least return_after_secs
+        without (a worker whose link came back joins again:
+        trainer/roles/lifecycle.py)."""
         super().__init__("watchdog", CHECK_SECS, CHECK_SECS * 3)
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
