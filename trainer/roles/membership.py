@@ -3,16 +3,13 @@
 The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
 loop. This thread reads the round every CHECK_SECS (the same session,
-concurrently) and reports a member of the round that has not pushed
-anything (or a benched worker whose probe, or whose slice of a round
-that ended unfinished, is outstanding) lost (a LOST event, which the rule
-in trainer/sync/averaging.py acts on: it plans the step again without
-it):
+concurrently) and reports a worker with a slice outstanding (`late`)
+lost, with a LOST event (the rule, trainer/sync/averaging.py, then plans
+the step again without it), once it has pushed nothing:
 
-- a second after it fell silent, if its port refuses connections (the
-  process is gone);
-- after --worker_timeout_secs of silence otherwise (a host cut off or
-  frozen does not refuse: only the timeout tells).
+- for a second, if its port refuses connections (the process is gone);
+- for --worker_timeout_secs otherwise (a host cut off or frozen does not
+  refuse: only the timeout tells).
 
 Silence is counted per worker, from its last push of any round, so a
 dead backup worker, whose rounds end without it, is found too.
@@ -62,18 +59,11 @@ class MembershipWatch(BackgroundThread):
                  config, writer,
                  on_unreachable: Callable[[int | None, str], None],
                  chief: int = 0):
-        """
-        Args:
-          read: () -> dict of step, round, planned, admitted, roster,
-            slices, last_push, issued_round (numpy values of the ops in
-            ChiefOps).
-          take_records: () -> (step, kind, worker, members) arrays.
-          report_lost: worker -> None, sends LOST for it.
-          cluster: the ClusterSpec (names workers in the log).
-          config: the TrainConfig (timeouts, min_workers, log_every).
-          writer: a FileWriter for membership scalars, or None.
-          chief: the chief's worker index (never reported lost).
-        """
+        """read: () -> the fields of _Round (numpy values of the ops in
+        ChiefOps). take_records: () -> (step, kind, worker, members)
+        arrays. report_lost(worker) sends LOST for it. writer: a
+        FileWriter for membership scalars, or None. chief: the chief's
+        worker index (never reported lost)."""
         super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
         self._read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
@@ -135,14 +125,12 @@ class MembershipWatch(BackgroundThread):
                            for n, planned in zip(sizes, state.planned)]
             self._write_slices(state.step)
         for k in late(state, self._chief):
-            self._check_silent(k, state, self._heard, now)
+            self._check_silent(k, state, now)
         return None
 
-    def _check_silent(self, k: int, state: _Round, heard: dict,
-                      now: float) -> None:
-        """Reports member k lost if it has not pushed anything (heard:
-        k -> (its last push's round, when that changed, reported)) for
-        --worker_timeout_secs, or for a second while its port refuses."""
+    def _check_silent(self, k: int, state: _Round, now: float) -> None:
+        """Reports worker k lost if silent too long (module docstring)."""
+        heard = self._heard
         pushed, since, reported = heard.get(k, (None, now, False))
         if state.last_push[k] != pushed:
             pushed, since, reported = state.last_push[k], now, False
@@ -173,9 +161,8 @@ class MembershipWatch(BackgroundThread):
 def late(state: _Round, chief: int) -> list[int]:
     """Workers in the roster (not `chief`) with a slice outstanding:
     members of the round that have not pushed, and any other given a
-    token since its last push (a benched worker's probe, or a member a
-    round's deadline left behind: it sits rounds out, so only this
-    finds it if it died)."""
+    token since its last push (a probe, or a member a round's deadline
+    left behind: benched, only this finds it if it died)."""
     return [k for k in range(len(state.planned))
             if k != chief and state.roster[k] and (
                 (state.planned[k] and not state.admitted[k])
