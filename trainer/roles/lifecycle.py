@@ -89,17 +89,14 @@ class WorkerRole(abc.ABC):
         trainer/roles/worker.py)."""
 
     def run(self) -> None:
-        """Connects and trains to the end, reconnecting after a lost ps.
-
-        A worker's reconnect, all of it:
+        """Connects and trains to the end, reconnecting after a lost ps:
         1. a session.run fails with one of PS_LOST (a ps died, restarted
-           or is cut off); anything else, or a failure after the watchdog
-           closed the session, ends the task (`_check_reconnectable`);
-        2. the broken session is closed; if no step has succeeded for
-           --startup_timeout_secs the task gives up (`_check_reconnectable`);
-        3. `_connect`: wait until every ps accepts connections, open a new
-           session, load the data into it;
-        4. `run_connected` starts over: the chief restores the newest
+           or is cut off); anything else, a failure after the watchdog
+           closed the session, or no step succeeding for
+           --startup_timeout_secs ends the task (`_check_reconnectable`);
+        2. the broken session is closed; `_connect` waits until every ps
+           accepts connections, opens a new session, loads the data;
+        3. `run_connected` starts over: the chief restores the newest
            checkpoint, since a restarted ps lost the variables, and asks
            every worker to join again (chief.py `_initialize_or_restore`,
            coordination's start_op); another worker waits for the chief's
@@ -192,10 +189,9 @@ class WorkerRole(abc.ABC):
         return make_callable(self.session, fetches, feeds, fixed)
 
     def loop_callable(self):
-        """(start token int64 [4], count) -> the loop's outputs.
-
-        With --trace_steps=A:B, runs of steps that cross [A, B) are split
-        so that each step in it runs alone, traced (see trainer/observe/tracing.py).
+        """(start token int64 [4], count) -> the loop's outputs. With
+        --trace_steps=A:B, runs of steps that cross [A, B) are split so
+        that each step in it runs alone, traced (trainer/observe/tracing.py).
         """
         feeds = [self.g.start_token, self.g.num_steps]
         warmed, self._warm_loop = self._warm_loop, None

@@ -1,9 +1,6 @@
-"""Running one task of the cluster: the library entry point.
-
-`run(config, task)` runs a ps (trainer/roles/ps.py), the chief
-(trainer/roles/chief.py) or another worker (trainer/roles/worker.py) to the end;
-`trainer.main` only parses flags and calls it.
-"""
+"""Running one task of the cluster, the library entry point: `run(config,
+task)` runs a ps (ps.py), the chief (chief.py) or another worker
+(worker.py) to the end; `trainer.main` only parses flags and calls it."""
 
 import threading
 
