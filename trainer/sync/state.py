@@ -131,8 +131,7 @@ class SharedState:
         self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
 
     def _record_variables(self, n: list, train_steps: int) -> None:
-        """What the pushes and the averages held, on the current (ps 0)
-        device."""
+        """What the pushes and the averages held (on ps 0, the device)."""
         # Per worker: [steps whose average held its gradient, the
         # examples it contributed to them] (int64 [N, 2]).
         self.contributions = _transient_zeros("sync/contributions", n + [2],
@@ -142,19 +141,17 @@ class SharedState:
         # [first, end) of each worker's latest push, as it computed it.
         self.pushed_slices = _transient_zeros("sync/pushed_slices", n + [2],
                                               tf.int64)
-        # Per global step, what its average held (step_record.py): [how
-        # many times it was applied with the admitted slices covering the
-        # global batch exactly once, then each worker's examples].
-        # The step from which by_step holds every step applied (int64 []):
-        # where the chief last initialized or restored; steps before it
-        # are 0. A chief that takes over goes on with the record as it is.
+        # What each global step's average held (step_record.py), from
+        # record_from (int64 []) on: where the chief last initialized or
+        # restored (earlier steps read 0). A chief that takes over goes on
+        # with the record as it is.
         self.record_from = _transient_zeros("sync/record_from", [], tf.int64)
         self.by_step = _transient_zeros(
             "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]], tf.int32)
 
     def _timing_variables(self, n: list) -> None:
-        """Per worker, on the current (ps 0) device: its speed, how long
-        its slices take, and what it was issued and answered last."""
+        """Per worker (on ps 0, the device): its speed, how long its
+        slices take, and what it was issued and answered last."""
         # Examples per second of each worker, averaged over its recent
         # rounds; 0 until measured. Balanced slices follow it.
         self.speed = _transient_zeros("sync/speed", n, tf.float32)
@@ -163,9 +160,9 @@ class SharedState:
         # average of ratios, which a few unthrottled slices would skew).
         self.slice_examples = _transient_zeros("sync/slice_examples", n,
                                                tf.float32)
-        # Seconds from token to push of each worker's recent slices,
-        # and when (ps 0's clock) and for which round its last token
-        # was issued, and the last round it answered.
+        # Seconds from token to push of its recent slices; when (ps 0's
+        # clock) and in which round its last token was issued; the last
+        # round it answered.
         self.slice_secs = _transient_zeros("sync/slice_secs", n, tf.float32)
         self.issued_at = _transient_zeros("sync/issued_at", n, tf.float64)
         self.issued_round = _transient_zeros("sync/issued_round", n, tf.int64)
@@ -198,12 +195,10 @@ class SharedState:
                 tf.timestamp()))
 
     def next_token(self, worker: int) -> tf.Tensor:
-        """Waits for worker's next token (int64 [TOKEN_SIZE]).
-
-        Tokens queued while the worker was busy are for rounds that are
-        over (a round re-planned after a worker left): it takes them all
-        and goes on with the newest.
-        """
+        """Waits for worker's next token (int64 [TOKEN_SIZE]). Tokens
+        queued while the worker was busy are for rounds that are over (a
+        round re-planned after a worker left): it takes them all and goes
+        on with the newest."""
         queue = self.tokens[worker]
         with tf.device(self.shard_devices[0]):
             available = tf.maximum(queue.size(), 1)
