@@ -4,11 +4,10 @@ Each member gets a contiguous slice of at least one example; the slices
 cover the batch exactly once, in worker order. With `--slices=equal` the
 sizes differ by at most one; with `--slices=balanced` they follow each
 worker's measured speed (examples per second over its recent rounds)
-where that predicts clearly shorter rounds (`prefer`), so
-that every member needs about the same time for its slice and a step takes
-about global batch / (sum of speeds). Which worker computes which example
-does not change the average (trainer/learning/replica.py), so this is a
-choice of speed only, never of the result.
+where that predicts clearly shorter rounds (`prefer`), so that every
+member needs about the same time for its slice. Which worker computes
+which example does not change the average (trainer/learning/replica.py):
+this is a choice of speed only, never of the result.
 
 `bounds` is the graph version the chief runs; `bounds_np` the same
 arithmetic in NumPy, for tests and docs.
@@ -22,11 +21,8 @@ BALANCED, EQUAL = "balanced", "equal"
 
 def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
     """Each member's share weight (float32 [N]; 0 for non-members;
-    speed: float32 [N]; members: bool [N]).
-
-    A member not measured yet (speed 0) counts as the mean measured speed,
-    or 1 when nobody is measured.
-    """
+    speed: float32 [N]; members: bool [N]). A member not measured yet
+    (speed 0) counts as the mean measured speed, or 1 if nobody is."""
     if mode == EQUAL:
         return tf.cast(members, tf.float32)
     measured, mean = _measured_mean(speed, members)

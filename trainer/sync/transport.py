@@ -38,13 +38,11 @@ class Transport:
     def pull(self, token: tf.Tensor, shard_variables: list,
              ready: list) -> tuple:
         """Reads every shard s once `token` and `ready[s]` (its pull turn,
-        PullTurns.wait) are there.
-
-        The token (int64 [4], on ps 0) rides exact inside shard 0's tensor,
-        which its ps, like every ps its shard, rounds to the wire dtype: one
-        transfer per shard. Returns the token (int64 [4]) and the shard
-        values (float32 [n_s] each) on the current (worker) device.
-        """
+        PullTurns.wait) are there. The token (int64 [4], on ps 0) rides
+        exact inside shard 0's tensor, which its ps, like every ps its
+        shard, rounds to the wire dtype: one transfer per shard. Returns
+        the token (int64 [4]) and the shard values (float32 [n_s] each) on
+        the current (worker) device."""
         dtype, devices = self.wire_dtype, self.shared.shard_devices
         with tf.device(devices[0]), \
                 tf.control_dependencies([token, ready[0]]):
@@ -67,14 +65,11 @@ class Transport:
              stats: tf.Tensor) -> tf.Operation:
         """Writes worker's gradient sums and stats into row `worker`, then
         puts the event (PUSHED, worker, step, round) on sync/events.
-
-        Args:
-          token: int64 [4], the token the gradients were computed for.
-          shard_grads: per shard, the sum over this slice's examples of
-            the per-example loss gradient: float32 [n_s], or int64 [n_s]
-            in fixed point (--deterministic), which crosses as it is.
-          stats: float32 [3], (examples, loss sum, correct predictions).
-        """
+        token: int64 [4], the one the gradients were computed for.
+        shard_grads: per shard, the sum over the slice's examples of the
+        per-example loss gradient: float32 [n_s], or int64 [n_s] in fixed
+        point (--deterministic), which crosses as it is. stats: float32
+        [3], (examples, loss sum, correct predictions)."""
         shared, dtype = self.shared, self.wire_dtype
         fixed = shared.grad_dtype == fixed_point.DTYPE
         sent = (shard_grads if fixed else
