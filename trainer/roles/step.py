@@ -1,13 +1,11 @@
 """One global step, as the chief and as any other worker runs it.
 
-Read `ChiefStep.__call__` top to bottom for what happens in a step: plan
-who computes which slice, pull the parameters, compute a gradient, push
-it, then admit the members' gradients, average them, apply the mean with
-the optimizer and count the step; if a member left before pushing, the
-step is planned again among the others. The rule is in
-trainer/sync/averaging.py; moving the data in trainer/sync/transport.py;
-the optimizer and its learning rate in trainer/learning/optim.py; the
-replica's gradient in trainer/learning/replica.py.
+Read `ChiefStep` top to bottom for a step: plan, pull, compute, push,
+admit, average, apply, count; or, if a member left before pushing, plan
+the step again among the others. The rule is in trainer/sync/averaging.py;
+moving the data in trainer/sync/transport.py; the optimizer and its
+learning rate in trainer/learning/optim.py; the replica's gradient in
+trainer/learning/replica.py.
 
 Both run as the body of `training_loop`, an in-graph tf.while_loop: one
 session.run executes many steps, since a distributed session.run costs far
@@ -134,17 +132,15 @@ class WorkerStep:
 def training_loop(shared: state_lib.SharedState, step_body, start_token,
                   num_steps, train_steps: int, is_chief: bool,
                   min_workers: int, still_chief) -> dict:
-    """Runs from `start_token` (int64 [4]) inside one session.run.
-
-    The loop ends after num_steps steps (slices, on a worker other than
-    the chief), at train_steps, at a token that is not work (STOP,
-    REJOIN), or, on the chief, when its Python side sets `halt` or fewer
-    than min_workers are in, or once `still_chief()` (builds a bool [] on
-    ps 0, read each step) is false: a newer chief took over. Returns the
-    fetches: steps_done (int64 []), next_token (int64 [4]), stats (float32
-    [3] sums: examples averaged, loss sum, correct; zeros off the chief)
-    and, on the chief, dropped (int64 [], stale gradients so far).
-    """
+    """Runs from `start_token` (int64 [4]) inside one session.run, until
+    num_steps steps (slices, on a worker other than the chief), at
+    train_steps, at a token that is not work (STOP, REJOIN), or, on the
+    chief, when its Python side sets `halt`, fewer than min_workers are
+    in, or `still_chief()` (builds a bool [] on ps 0, read each step) is
+    false: a newer chief took over. Returns the fetches: steps_done
+    (int64 []), next_token (int64 [4]), stats (float32 [3] sums: examples
+    averaged, loss sum, correct; zeros off the chief) and, on the chief,
+    dropped (int64 [], stale gradients so far)."""
     # The loop's control nodes (and so its condition) live on ps 0 with the
     # step: per step only the condition, the parameters and the gradients
     # cross between the worker and ps 0.
@@ -157,8 +153,6 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
             go = tf.logical_and(done < max_steps,
                                 tf.logical_and(step >= 0, step < train_steps))
             if is_chief:
-                # No step with fewer than --min_workers, and none after the
-                # Python side asked to halt.
                 go = tf.logical_and(go, tf.logical_and(
                     tf.equal(shared.halt.read_value(), 0),
                     state_lib.count(shared.roster.read_value())
