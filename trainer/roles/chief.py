@@ -36,11 +36,9 @@ class Chief(WorkerRole):
     def __init__(self, *args, taking_over=None, **kwargs):
         super().__init__(*args, as_chief=True, **kwargs)
         self.taking_over = taking_over
-        # sync/contributions lives on ps 0 and restarts from zero whenever
-        # the chief restores a checkpoint. What it had counted up to each
-        # checkpoint this process saved is kept here, so that the counts
-        # survive a restore: int64 [N, 2] (steps, examples) by global
-        # step.
+        # sync/contributions (on ps 0) restarts from zero at every restore;
+        # its counts at each checkpoint this process saved, by global step
+        # (int64 [N, 2]: steps, examples), carry them over a restore.
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
         self.halt_reason = None       # why training ends early (halt)
