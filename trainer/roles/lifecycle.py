@@ -40,14 +40,9 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
-
-    `at_step`: the step of the latest token a worker other than the chief
-    took (None before its first, and on the chief), named when it fails.
-
     The watchdog thread may end a blocked session.run by closing the
     session (`give_up`); the reason it gives is read by the training
-    thread when that run fails. Both go through `_lock`.
-    """
+    thread when that run fails. Both go through `_lock`."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, as_chief: bool = False,
@@ -67,6 +62,8 @@ class WorkerRole(abc.ABC):
         self._outage_secs = None   # set by the watchdog: join again
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
+        # The step of the latest token a worker other than the chief took
+        # (None before its first, and on the chief), named when it fails.
         self.at_step = None
         self.epoch = None          # the chief's epoch, once claimed
         self._taking_over = None   # why this worker takes over the chief
