@@ -18,13 +18,11 @@ POLL_SECS = 0.25  # how often the ps looks for the chief's end message
 def serve(config: TrainConfig, task: Task, server) -> None:
     """Serves variables until the chief puts an element in our queue.
 
-    `server.join()` would never return; instead the ps looks at its own
+    `server.join()` would never return; instead the ps looks at its
     shutdown queue a few times a second, so that signals get through, and
-    takes the element only once it is there. (A blocking dequeue with a
-    RunOptions timeout could lose it: when the deadline passes just after
-    the dequeue took the element, the run fails and the element is gone,
-    and the ps served on forever. A ps sharing a starved host with a
-    worker hit this.)
+    takes the element only once it is there. A blocking dequeue with a
+    RunOptions timeout could lose it, taken just as the deadline passed,
+    and the ps served on forever (one on a host starved by a worker did).
     """
     graph = tf.Graph()
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):

@@ -111,12 +111,10 @@ class Worker(WorkerRole):
         return takeover.ChiefWatch(fetch, judge, self.take_over)
 
     def _join(self, dog):
-        """Asks the chief in and waits for the first token (int64 [4]).
-
-        Asks again every JOIN_AGAIN_SECS while the roster does not hold us
-        (a LOST report about our previous self may have overtaken the
-        request), up to --startup_timeout_secs.
-        """
+        """Asks the chief in and waits for the first token (int64 [4]),
+        asking again every JOIN_AGAIN_SECS while the roster does not hold
+        us (a LOST report about our previous self may have overtaken the
+        request), up to --startup_timeout_secs."""
         h = self.g.handles
         self.session.run(h.join_op)
         logging.info("worker %d asked the chief to take it in", self.k)
