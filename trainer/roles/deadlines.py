@@ -1,15 +1,14 @@
 """The chief's deadline thread: the timer behind a round's LATE event.
 
-The rule runs inside the graph, and an event queue's dequeue cannot time
-out there, so a round whose member fell far behind would wait for it.
-For each round planned with a deadline (trainer/sync/pace.py puts (step,
-round, seconds) on sync/deadlines), this thread waits that long and then
-sends LATE for the round. The rule ignores it if the round is over;
-otherwise, if most members pushed, it plans the step again without the
-late ones. Rounds are planned faster than deadlines pass, so the thread
-takes every queued request and times only the newest from when it takes
-it: a round's deadline falls at least its seconds after its plan, later
-when the thread was still sleeping on an earlier round.
+The rule runs inside the graph, where an event queue's dequeue cannot
+time out, so a round would wait for a member far behind. For each round
+planned with a deadline (trainer/sync/pace.py puts (step, round, seconds)
+on sync/deadlines), this thread waits that long, then sends LATE for the
+round, on which the rule may plan the step again without it (Pace.late).
+Rounds are planned faster than deadlines pass, so the thread takes every
+queued request and times only the newest from when it takes it: a
+round's deadline falls at least its seconds after its plan, later when
+the thread was still sleeping on an earlier round.
 """
 
 from absl import logging

@@ -1,12 +1,11 @@
 """Noticing a stalled cluster while a long session.run blocks.
 
-The step loop runs inside the graph, so a worker that died leaves the
-chief's session.run waiting in the admission queue and the others waiting
-for tokens, with no Python code running in those threads. A Watchdog
-thread reads the global step and the admissions of the current step every
-few seconds (the same session, concurrently), warns while the step stands
-still, naming the workers whose gradients have not arrived, and calls
-`on_timeout` once it has stood still for `timeout_secs`.
+A worker that died leaves the chief's in-graph loop waiting in admission
+and the others waiting for tokens (trainer/roles/background.py). A
+Watchdog thread reads the global step and the admissions of the current
+step every few seconds (the same session, concurrently), warns while the
+step stands still, naming the workers whose gradients have not arrived,
+and calls `on_timeout` once it has stood still for `timeout_secs`.
 
 A read that fails or takes longer than READ_DEADLINE_SECS counts as a
 step that did not move: when ps 0 is cut off, the blocked training run may
