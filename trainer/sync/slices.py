@@ -42,19 +42,18 @@ def _measured_mean(speed: tf.Tensor, members: tf.Tensor) -> tuple:
 def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
             factor: float, min_share: float, chief: int = 0) -> tf.Tensor:
     """bool [N]: members other than the chief that sit this round out
-    (slice_secs, speed: float32 [N], 0 until measured; roster: bool [N],
-    who is in). Two kinds:
+    (slice_secs, speed: float32 [N], 0 until measured; roster: bool [N]):
 
     - slow: its recent slices took over `factor` times as long as every
       other member's. Balanced slices equalize the members' times, so a
       member still far behind is bound by its fixed cost per slice
-      (pulling, pushing, a starved host), not by its share: giving it
-      fewer examples cannot help, and leaving it out of the round can.
+      (pulling, pushing, a starved host), not by its share: fewer
+      examples cannot help, leaving it out of the round can.
     - few: its balanced share would be under `min_share` of an equal one
       (its speed under `min_share` times the members' mean). Its slices
-      are then so small that they take no longer than the others', but
-      its fixed cost and a starved host's wait for its next CPU period
-      still hold every round it is in, for a few examples' gain.
+      take no longer than the others', but its fixed cost and a starved
+      host's wait for its next CPU period still hold every round it is
+      in, for a few examples' gain.
     """
     secs = tf.where(roster, slice_secs, 0.0)
     top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
@@ -71,12 +70,10 @@ def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
     """[first, end) per worker (int64 [N, 2]) of a global batch cut in
     proportion to `weight` (float32 [N]; 0: not a member, empty slice),
     in whole units of `unit` rows (--micro_batch; it divides the batch).
-
     Each member's share is rounded down, but to at least one example; an
     excess from that is taken back one by one from the largest slices,
     and what rounding left over goes one by one to the members with the
-    largest remainders (ties: the lower index).
-    """
+    largest remainders (ties: the lower index)."""
     member = weight > 0
     batch = tf.cast(global_batch // unit, tf.int64)
     share = weight / tf.reduce_sum(weight) * tf.cast(batch, tf.float32)

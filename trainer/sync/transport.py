@@ -1,9 +1,8 @@
 """Moving a step's data between a worker and the ps tasks: one tensor per
 shard each way, with the token and statistics riding bit-exact.
 
-The wire dtype (trainer/sync/wire.py) is the format of the parameters
-(pull) and the gradient sums (push) on the ps links; the ps keeps, sums
-and applies float32, and the token and statistics cross bit-exact, so the
+The parameters (pull) and the gradient sums (push) cross in the wire dtype
+(trainer/sync/wire.py); the ps keeps, sums and applies float32, so the
 workers' rounding is the only approximation.
 """
 
