@@ -84,9 +84,8 @@ class Averaging:
                  epoch: tf.Tensor | None = None):
         """micro_batch: slices are whole micro-batches of this many rows
         (--micro_batch; 0: of single rows). chief: the worker that runs
-        the rule. lock, epoch: the ChiefLock (trainer/sync/chief_lock.py)
-        and this chief's epoch (int64 [] on ps 0): every write then
-        happens only while the lock holds that epoch. Without a lock
+        the rule. lock, epoch: the ChiefLock and this chief's epoch (int64
+        [] on ps 0) that guard every write (`guarded`); without a lock
         (the protocol's unit tests) the writes are not guarded."""
         self.shared, self.global_batch = shared, global_batch
         self.chief, self.lock, self.epoch = chief, lock, epoch

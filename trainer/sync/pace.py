@@ -28,11 +28,10 @@ SPEED_MEMORY = 0.7
 # 2^MAX_BACKOFF times: seconds, not steps, so that a worker fast again is
 # back within a bound of time however fast the steps run.
 BENCH_FACTOR, MIN_SHARE, PROBE_SECS, MAX_BACKOFF = 2.0, 0.25, 2.0, 2
-# A round stops waiting for a member that has not pushed LATE_FACTOR
-# times the second slowest member's recent slice time (at least
-# MIN_LATE_SECS) after the plan, if it is the only one late and two
-# members did push: it is planned again without it (it is benched), as if
-# it had left.
+# A round's deadline: LATE_FACTOR times the second slowest member's recent
+# slice time, at least MIN_LATE_SECS, after the plan. A member then the
+# only one late, with two pushed, is benched and the step planned again
+# without it, as if it had left (`late`).
 LATE_FACTOR, MIN_LATE_SECS = 3.0, 0.1
 
 
