@@ -77,8 +77,7 @@ class ChiefOps:
     issued_round: tf.Tensor           # int64 [N]: round of each's last token
     lost_in: tf.Tensor                # feed int32 []: a worker lost
     lost_op: tf.Operation             # reports lost_in to the rule
-    deadlines: tuple | None           # state.take_deadlines; None where
-                                      # deadlines are off (Pace.deadlines)
+    deadlines: tuple | None           # take_deadlines; None: no deadlines
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
     halt_op: tf.Tensor                # ends the loop at a step boundary;
