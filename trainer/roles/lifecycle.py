@@ -288,4 +288,3 @@ def wait_for_ps(task: Task, timeout: float) -> None:
                lambda: f"{names()} did not start within {timeout:.0f} s "
                        "(--startup_timeout_secs); start it (run_ps.sh) or "
                        "fix --ps_hosts")
-
