@@ -143,14 +143,15 @@ def joined_all(c, workers) -> None:
         c.wait_for("worker0", rf"worker {k} \(localhost:\d+\) joined at")
 
 
-# With ordered pulls too (a member's turns then come from the plan; the
-# unit tests in test_sync.py cover that), only with --runslow: CI's time.
-# With --deterministic, bit for bit the 1-worker run's; the float path's
-# variant (within 1e-4) only with --runslow too, since its deterministic
-# twin checks the same leave and join bit for bit.
+# Only with --runslow (CI's time): the suite's nemesis
+# (test_nemesis.py) kills a worker and starts it again in one of its
+# schedules and checks, bit for bit, the same leave and join, and that the
+# worker averages examples again. With --deterministic the result is the
+# 1-worker run's bit for bit; the float path's within 1e-4; with ordered
+# pulls a member's turns come from the plan (unit tests: test_sync.py).
 @pytest.mark.parametrize("order", [
-    pytest.param("", marks=pytest.mark.slow), "--deterministic",
-    pytest.param("--ordered_pulls", marks=pytest.mark.slow)])
+    pytest.param(flag, marks=pytest.mark.slow)
+    for flag in ("", "--deterministic", "--ordered_pulls")])
 def test_a_worker_killed_then_restarted_leaves_and_joins_exactly(
         cluster, tmp_path, references, order):
     c = cluster(4, *filter(None, [order]))
