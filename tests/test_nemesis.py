@@ -175,6 +175,18 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     assert [r[2] for r in checker.returns(outcome)] == ["end cut"]
     record[115, 2] = 1
     assert checker.rejoined(outcome, record, 10.0) == []
+    # A restore inside the bound (seed 506: ps 1 killed and started again
+    # while worker 1 restarted) took the step back: the steps trained after
+    # it are the ones judged.
+    restored = [(t0 + t, t) for t in range(101)] + [
+        (t0 + 101 + t, t) for t in range(200)]
+    outcome.history = history
+    outcome.steps_seen, outcome.ended_at = restored, t0 + 300
+    record[:] = 0
+    record[:, 1] = 8
+    assert len(checker.rejoined(outcome, record, 10.0)) == 1
+    record[5, 2] = 1   # in the average of step 5 after the restore
+    assert checker.rejoined(outcome, record, 10.0) == []
     # Back after the last step (seed 503): there was nothing to average,
     # even if the run ended (ps 0 exited) later than the bound.
     outcome.history = history[:2] + [(t0 + 250, 200, "worker1", "end cut")]

@@ -173,6 +173,10 @@ def rejoined(outcome, record: np.ndarray | None,
             continue  # the run ended, or it was hit again, first
         step_then = _step_at(outcome.steps_seen, when)
         step_due = _step_at(outcome.steps_seen, deadline)
+        # A restore inside the bound (a ps killed and started again) took
+        # the step back: the record holds the steps trained after it.
+        step_then = min([step_then] + [
+            s for at, s in outcome.steps_seen if when < at <= deadline])
         if step_then >= len(record):
             continue  # back after the last step: nothing left to average
         if not record[step_then:step_due + 1, 1 + k].any():
