@@ -71,8 +71,8 @@ class ChiefReport:
     pushed: dict          # worker -> gradients it says it pushed
     membership: list      # every roster change
     broken_steps: int     # steps not averaging the global batch once
+    record_from: int      # the per-step record's first step (step_record)
     step_breakdown: dict | None = None   # traced step phases (tracing.py)
-    record_from: int = 0  # the per-step record's first step (step_record)
 
 
 def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,

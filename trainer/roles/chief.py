@@ -93,8 +93,8 @@ class Chief(WorkerRole):
             results_lib.ChiefReport(
                 self.train_steps - step, counted,
                 {self.k: self.pushed, **pushed},
-                watch.records, len(self.broken_steps), step_breakdown,
-                record_from))
+                watch.records, len(self.broken_steps), record_from,
+                step_breakdown))
         ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
 
