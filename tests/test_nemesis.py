@@ -187,6 +187,16 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     assert len(checker.rejoined(outcome, record, 10.0)) == 1
     record[5, 2] = 1   # in the average of step 5 after the restore
     assert checker.rejoined(outcome, record, 10.0) == []
+    # A ps stopped just after the return (seed 507): nobody could be
+    # taken in meanwhile, so the bound's clock stood still.
+    record[5, 2] = 0
+    record[125, 2] = 1   # 25 s after the return, 10 of them with ps 1 out
+    outcome.history = history + [(t0 + 101, 101, "ps1", "stop"),
+                                 (t0 + 111, 101, "ps1", "end stop")]
+    outcome.steps_seen = steps_seen
+    assert checker.rejoined(outcome, record, 10.0) == []
+    outcome.history = history
+    assert len(checker.rejoined(outcome, record, 10.0)) == 1
     # Back after the last step (seed 503): there was nothing to average,
     # even if the run ended (ps 0 exited) later than the bound.
     outcome.history = history[:2] + [(t0 + 250, 200, "worker1", "end cut")]

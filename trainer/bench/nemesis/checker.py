@@ -160,13 +160,15 @@ def rejoined(outcome, record: np.ndarray | None,
     in some step's average within timeout_secs + REJOIN_SLACK_SECS. A
     return is the end of a stop, cut, slow or starve, or a restarted
     process asking to be taken in (its import and graph take time that
-    is not the protocol's)."""
+    is not the protocol's). The bound's clock stands still while a ps
+    fault is in effect: then no worker can be taken in (seed 507)."""
     if record is None:
         return []
     problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
+    ps_out = _ps_faulted(outcome.history)
     for when, task, what in returns(outcome):
         k = int(task[len("worker"):])
-        deadline = when + bound
+        deadline = _deadline(when, bound, ps_out, outcome.ended_at)
         if deadline > outcome.ended_at or any(
                 t == task and when < at <= deadline and _is_hit(w)
                 for at, _, t, w in outcome.history):
@@ -219,6 +221,38 @@ def returns(outcome) -> list[tuple[float, str, str]]:
         else:
             in_effect[task][what] += 1
     return found
+
+
+def _ps_faulted(history: list) -> list[tuple[float, float]]:
+    """(from, to) wall times while a fault was in effect on a ps task:
+    from a hit to its end (a kill: to the restart)."""
+    spans, since = [], {}
+    for when, _, task, what in history:
+        if not task.startswith("ps"):
+            continue
+        if _is_hit(what):
+            since.setdefault(task, when)
+        elif task in since:
+            spans.append((since.pop(task), when))
+    return spans + [(t, float("inf")) for t in since.values()]
+
+
+def _deadline(when: float, bound: float, ps_out: list,
+              ended_at: float) -> float:
+    """when + bound, plus the time inside ps_out from `when` on (the
+    deadline once past ended_at is past it: the caller skips it)."""
+    deadline = when + bound
+    while deadline <= ended_at:
+        later = when + bound + _overlap(ps_out, when, deadline)
+        if later <= deadline:
+            break
+        deadline = later
+    return deadline
+
+
+def _overlap(spans: list, start: float, end: float) -> float:
+    """Seconds of [start, end] inside any of `spans` (none overlap)."""
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
 
 
 def _is_hit(what: str) -> bool:
