@@ -127,6 +127,22 @@ def test_the_checker_finds_steps_redone(tmp_path):
     assert checker.steps(logdir, [restore], 4, ps_killed=True) == []
 
 
+def test_the_step_read_goes_back_only_where_a_chief_restored(tmp_path):
+    from trainer.bench.nemesis import cluster as cluster_lib
+    c = cluster_lib.Cluster(tmp_path, [], 2, ports=[1, 2, 3])
+    c.starts = {"worker0": 0}
+    log = c.log_path("worker0")
+    line = ("I1127 10:00:00.000000 1 progress.py:118] step {}/300  loss "
+            "0.1000  train accuracy 90.00%  100 images/s  1.00 ms/step  "
+            "dropped gradients 0  ETA 0:00:01\n")
+    log.write_text(line.format(150))
+    assert c.read_step() == 150
+    with open(log, "a") as f:   # a worker's stale line, then a restore
+        f.write(line.format(140) + "I1127 chief.py:55] chief ready at "
+                "global step 0 of 300\n" + line.format(10))
+    assert c.read_step() == 10
+
+
 def test_the_checker_judges_exit_statuses():
     kill_for_good = schedule.Fault(schedule.KILL, "worker1", 20, None)
     cut = schedule.Fault(schedule.CUT, "worker2", 30, 5.0)

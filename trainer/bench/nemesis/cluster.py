@@ -12,6 +12,7 @@ what is still running (the hosts' owner removes the hosts).
 
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,8 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 PORT = 2222
 JOINED = "joined at global step"   # a worker's log, once it is taken in
 TOOK_OVER = b"took over the chief's work at step"  # a new chief's log
+# Every chief start logs it; after a restore its step is below the last.
+CHIEF_READY = re.compile(r"chief ready at global step (\d+) of")
 
 
 class Cluster:
@@ -98,7 +101,8 @@ class Cluster:
 
     def read_step(self) -> int:
         """The chief's latest logged step: its progress lines, in the log
-        of whichever worker does the chief's work."""
+        of whichever worker does the chief's work; it goes back only where
+        a chief started from a restored checkpoint."""
         for name in self.workers:
             path = self.log_path(name) if name in self.starts else None
             if path is None or not path.exists():
@@ -111,6 +115,9 @@ class Cluster:
             if TOOK_OVER in text[:cut]:
                 self.chief = name
             for line in text[:cut].decode(errors="replace").splitlines():
+                ready = CHIEF_READY.search(line)
+                if ready:
+                    self.step = int(ready.group(1))
                 parsed = progress_line.parse_progress_line(line)
                 if parsed:
                     self.step = max(self.step, parsed["step"])
