@@ -2,6 +2,8 @@
 (trainer/sync/chief_lock.py), the claim (trainer/roles/takeover.py), and
 the judgement by which a worker calls the chief lost."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -126,6 +128,21 @@ def test_beats_or_a_new_chief_reset_the_watch():
     # Worker 1 is the chief now; worker 2 is next in line.
     assert j.update([2, 1, 0], after, 17.0).startswith("worker 1 left")
     assert judge(1).update([2, 1, 0], ROSTER, 100.0) is None   # itself
+
+
+def test_a_chief_gone_after_the_last_step_is_not_replaced():
+    """Seed 507 of the nemesis: a worker whose link came back after the
+    run's end saw the chief's port refuse (it had exited) and took over
+    at step 300 of 300, then waited for ps tasks that had exited."""
+    for step, took_over, ended in ((299, 1, []), (300, 0, [300])):
+        lost, seen = [], []
+        watch = takeover.ChiefWatch(
+            lambda s=step: ([1, 0, 7], ROSTER, s), judge(1, refused={0}),
+            lost.append, 300, seen.append)
+        assert watch.run_once() is None   # the beat seen once
+        time.sleep(takeover.REFUSED_AFTER_SECS + 0.1)
+        assert watch.run_once() is False
+        assert (len(lost), seen) == (took_over, ended)
 
 
 def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):

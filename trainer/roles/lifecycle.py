@@ -27,6 +27,10 @@ from trainer.learning.data import Mnist
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary, make_callable
 
+
+class RunEnded(Exception):
+    """The run ended (args[0]: its last step) while this worker was away."""
+
 POLL_SECS = 0.25           # how often to look for a ps or the chief
 CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
 PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
@@ -67,6 +71,7 @@ class WorkerRole(abc.ABC):
         self.at_step = None
         self.epoch = None          # the chief's epoch, once claimed
         self._taking_over = None   # why this worker takes over the chief
+        self._ended_at = None      # the last step, if the run ended unseen
         # A Warmed (session and loop made beforehand): the first connect
         # takes its session and hands it to the next loop_callable; a
         # later connect (a new session) makes its own loop.
@@ -114,6 +119,11 @@ class WorkerRole(abc.ABC):
                         self._check_reconnectable(e)
                 except RunFailed as e:
                     raise RunFailed(self.with_step(str(e))) from None
+                except RunEnded as e:
+                    logging.warning(
+                        "the run ended at step %d, its last, while this "
+                        "worker was away; nothing is left to do", e.args[0])
+                    return
 
     def with_step(self, reason: str) -> str:
         """`reason`, naming the step this worker was at (not the chief's)."""
@@ -143,6 +153,8 @@ class WorkerRole(abc.ABC):
             self._outage_secs = None
         if self._taking_over:  # the chief watch closed the session
             raise takeover.TakeOver(*self._taking_over) from None
+        if self._ended_at is not None:  # so did it here
+            raise RunEnded(self._ended_at) from None
         if reason:  # the watchdog closed the session
             raise RunFailed(reason) from None
         if outage is not None:  # closed by the watchdog: join again
@@ -224,6 +236,13 @@ class WorkerRole(abc.ABC):
                                self.k)
         with self._lock:
             self._taking_over = (reason, claim)
+        self.close_session()
+
+    def run_ended(self, step: int) -> None:
+        """From the chief watch: the run ended at `step`, the last, while
+        this worker was away; end the blocked run, and run() returns."""
+        with self._lock:
+            self._ended_at = step
         self.close_session()
 
     def give_up(self, reason: str) -> None:

@@ -176,15 +176,19 @@ class ChiefWatch(BackgroundThread):
     training runs): calls on_lost(reason) once, when Judge says so."""
 
     def __init__(self, read: Callable[[], tuple], judge: Judge,
-                 on_lost: Callable[[str], None]):
-        """read: () -> (record int64 [3], roster bool [N]) from ps 0."""
+                 on_lost: Callable[[str], None], train_steps: int,
+                 on_ended: Callable[[int], None]):
+        """read: () -> (record int64 [3], roster bool [N], global step
+        int64 []) from ps 0; on_ended(step): the chief is gone after the
+        last step, so there is no work to take over."""
         super().__init__("chief-watch", BEAT_SECS, BEAT_SECS * 4)
         self._read, self._judge, self._on_lost = read, judge, on_lost
+        self._train_steps, self._on_ended = train_steps, on_ended
 
     def run_once(self) -> bool | None:
         started = time.monotonic()
         try:
-            record, roster = self._read()
+            record, roster, step = self._read()
         except Exception:  # noqa: BLE001 (no record yet, or ps 0 away)
             self._judge.forget()
             return None
@@ -192,6 +196,12 @@ class ChiefWatch(BackgroundThread):
         reason = self._judge.update(record, roster, now, now - started)
         if reason is None:
             return None
+        if step >= self._train_steps:
+            # The chief ended the run and exited while this worker was cut
+            # off or frozen (ps 0 has not exited yet): a chief now would
+            # wait for ps tasks that are gone.
+            self._on_ended(int(step))
+            return False
         logging.warning("the chief is lost (%s); this worker takes over "
                         "its work", reason)
         self._on_lost(reason)

@@ -100,15 +100,17 @@ class Worker(WorkerRole):
         over the chief's work (trainer/roles/takeover.py): the blocked run
         is ended, and run() raises TakeOver."""
         read = self.callable({"record": self.g.lock.recorded,
-                              "roster": self.g.handles.roster})
+                              "roster": self.g.handles.roster,
+                              "step": self.g.handles.global_step})
         judge = takeover.Judge(self.k, self.config.worker_timeout_secs,
                                takeover.port_refuses(self.task.cluster))
 
         def fetch():
             out = read()
-            return out["record"], out["roster"]
+            return out["record"], out["roster"], out["step"]
 
-        return takeover.ChiefWatch(fetch, judge, self.take_over)
+        return takeover.ChiefWatch(fetch, judge, self.take_over,
+                                   self.train_steps, self.run_ended)
 
     def _join(self, dog):
         """Asks the chief in and waits for the first token (int64 [4]),
