@@ -63,6 +63,29 @@ def test_a_lock_lost_inside_a_write_is_found_by_the_next_claim(lock_session):
     assert session.run(lock.size) == 1
 
 
+def test_a_write_waiting_for_its_input_does_not_hold_the_lock():
+    """The chief waits for events most of the time; a lock taken while it
+    waits was lost whenever that run was aborted (a ps lost), and the
+    next chief restored a checkpoint it did not need (found with
+    --ps_mirrors: ps 1 killed while the chief waited for a push)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        lock = chief_lock.ChiefLock("/cpu:0")
+        inbox = tf.queue.FIFOQueue(1, [tf.int64], shapes=[[]])
+        event = inbox.dequeue()
+        write = lock.guarded(tf.constant(0, tf.int64),
+                             lambda: event + 1, lambda: event, after=[event])
+        send = inbox.enqueue(41)
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(lock.put, {lock.epoch_in: 0, lock.index_in: 0})
+        waiting = ThreadCall(lambda: session.run(write), "write")
+        time.sleep(0.5)
+        assert session.run(lock.size) == 1   # not taken while it waits
+        session.run(send)
+        assert waiting.result(10) == 42
+        assert session.run(lock.size) == 1
+
+
 def test_beats_are_counted(lock_session):
     session, lock, _ = lock_session
     takeover.claim(session, lock, 0, wait_secs=1)

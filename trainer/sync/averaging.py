@@ -95,12 +95,13 @@ class Averaging:
         self.device = shared.shard_devices[0]
         self.pace = pace_lib.Pace(shared, slices, backup_workers, chief)
 
-    def guarded(self, write, refused):
+    def guarded(self, write, refused, after=()):
         """write() while the lock holds this chief's epoch, else
-        refused() (trainer/sync/chief_lock.py); write() without a lock."""
+        refused() (trainer/sync/chief_lock.py), the lock taken after
+        `after`; write() without a lock."""
         if self.lock is None:
             return write()
-        return self.lock.guarded(self.epoch, write, refused)
+        return self.lock.guarded(self.epoch, write, refused, after)
 
     def plan(self, step: tf.Tensor) -> tuple:
         """Starts a round of step `step` (int64 []): slices for the roster,
@@ -186,8 +187,9 @@ class Averaging:
             with tf.control_dependencies([self.shared.events.enqueue(event)]):
                 return tf.constant(False), tf.constant(True)
 
+        # The lock only once an event is in: not held while waiting.
         return self.guarded(lambda: self._act_on(event, step, round_),
-                            give_back)
+                            give_back, after=[event[0]])
 
     def _act_on(self, event, step, round_) -> tuple:
         s = self.shared

@@ -47,11 +47,13 @@ class ChiefLock:
                 trainable=False, use_resource=True, collections=[])
             self._claiming_ops()
 
-    def guarded(self, epoch: tf.Tensor, write, refused):
+    def guarded(self, epoch: tf.Tensor, write, refused, after=()):
         """write() if the lock holds `epoch` (int64 []), else refused();
         both return the same structure of tensors, which is returned once
-        the lock is back. Build it on ps 0."""
-        with tf.device(self.device):
+        the lock is back. The lock is taken only after `after` (tensors):
+        a take has no input, so it would run at once, and a run aborted
+        while it waits (a ps lost) would lose the lock. Build it on ps 0."""
+        with tf.device(self.device), tf.control_dependencies(after):
             held = self.queue.dequeue()
             out = tf.cond(tf.equal(held, epoch), write, refused)
             flat = tf.nest.flatten(out)
