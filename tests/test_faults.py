@@ -160,6 +160,45 @@ def test_ps_killed_and_restarted(cluster, tmp_path, reference):
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
+def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
+        tmp_path, data, reference):
+    """--ps_mirrors, 2 ps: ps 1 killed at step 120 or later and started
+    again is refilled from the copies on ps 0; nothing is restored, no
+    step is trained again, and the run ends as the one without a fault."""
+    c = helpers.ManualCluster(
+        tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
+        f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
+        "--worker_timeout_secs=60")
+    try:
+        for i in (0, 1):
+            c.start("ps", i)
+        for k in (0, 1):
+            c.start("worker", k)
+        c.wait_for("worker0", r"step 120/")
+        # With worker 1 frozen and equal slices, the chief waits for its
+        # push, outside any write: a ps killed inside one would leave it
+        # half done, and the chief would restore a checkpoint instead.
+        os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
+        time.sleep(2)
+        c.kill("ps1")
+        time.sleep(1)
+        c.start("ps", 1)
+        os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
+        c.wait_for("worker0", r"refilled /job:ps/task:1 from the mirrors: "
+                              r"nothing restored")
+        went_on = int(c.wait_for(
+            "worker0", r"goes on from the state on the ps tasks at step "
+                       r"(\d+)").group(1))
+        assert went_on >= 120
+        assert [c.wait(n) for n in ("worker0", "worker1", "ps0", "ps1")] \
+            == [0] * 4
+        assert not re.search(r"restored \S+ \(global step",
+                             c.log("worker0"))
+        assert_same_as_reference(tmp_path / "logs", reference)
+    finally:
+        c.close()
+
+
 def test_ctrl_c_then_the_same_command_resumes(tmp_path, data, reference):
     logdir = tmp_path / "logs"
     status, output = helpers.interrupt_launch(

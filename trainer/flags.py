@@ -97,6 +97,12 @@ flags.DEFINE_bool("deterministic", False,
                   "have the same bits for any number of workers, any "
                   "slicing and any fault (docs/how-it-works.md#"
                   "bit-identical-training).")
+flags.DEFINE_boolean("ps_mirrors", False,
+                     "With 2 or more ps tasks, keep a copy of each ps's "
+                     "shards and optimizer state on the next ps, updated by "
+                     "every step: a ps started again is refilled from the "
+                     "copies, and no step is trained again "
+                     "(docs/how-it-works.md#a-lost-ps-and-its-mirrors).")
 flags.DEFINE_boolean("ordered_pulls", False,
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
@@ -289,6 +295,7 @@ def config_from_flags() -> TrainConfig:
         trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
         ordered_pulls=FLAGS.ordered_pulls, chunk_kb=FLAGS.chunk_kb,
         micro_batch=FLAGS.micro_batch, deterministic=FLAGS.deterministic,
+        ps_mirrors=FLAGS.ps_mirrors,
         continue_with_new_settings=FLAGS.continue_with_new_settings)
 
 

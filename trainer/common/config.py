@@ -73,6 +73,8 @@ class TrainConfig:
     micro_batch: int = _shared(0, WORKERS)
     # gradient sums in fixed point: the same bits for any worker count
     deterministic: bool = _shared(False, WORKERS)
+    # a copy of each ps's shards on the next ps (2 or more ps tasks)
+    ps_mirrors: bool = _shared(False, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
 

@@ -275,7 +275,10 @@ class Chief(WorkerRole):
         # No restore where the ps tasks hold every variable and no write
         # was cut short: they hold every step applied, and the protocol's
         # counts and records go on. (TensorFlow's SessionManager would
-        # restore the newest checkpoint over them, redoing steps.)
+        # restore the newest checkpoint over them, redoing steps.) A ps
+        # started again is refilled from the mirrors, where they are.
+        if not lost and ops.refill:
+            ops.refill.after_restart(self.session, ops.uninitialized)
         if not lost and not len(self.session.run(ops.uninitialized)):
             step = int(self.session.run(self.g.handles.global_step))
             # results.json counts this chief's steps only.
@@ -317,18 +320,24 @@ class Chief(WorkerRole):
                 ops.saver, self.session, logdir)
             self.session.run(ops.transient_init_op)
             self.session.run(ops.set_record_from)
+            self._copy_to_mirrors()
             step = int(self.session.run(self.g.handles.global_step))
             logging.info("restored %s (global step %d)", restored, step)
             self._counted_before = self._counted_at_save.get(
                 step, self._no_counts())
         else:
             self.session.run(ops.init_op)
+            self._copy_to_mirrors()
             step = int(self.session.run(self.g.handles.global_step))
             self._counted_before = self._no_counts()
             logging.info("initialized the parameters (no checkpoint in %s)",
                          logdir)
             self._save(logdir, step)
         return step
+
+    def _copy_to_mirrors(self) -> None:
+        if self.g.chief.refill:   # copies are not in checkpoints
+            self.session.run(self.g.chief.refill.copy_all)
 
     def _no_counts(self) -> np.ndarray:
         return np.zeros([self.task.cluster.num_workers, 2], np.int64)

@@ -24,6 +24,7 @@ from trainer.saving.checkpoints import checkpoint_saver
 from trainer.sync import averaging
 from trainer.sync import chief_lock
 from trainer.sync import coordination
+from trainer.sync import mirrors as mirrors_lib
 from trainer.sync import pull_turns as pull_turns_lib
 from trainer.sync import state as state_lib
 from trainer.sync import transport as transport_lib
@@ -98,6 +99,7 @@ class ChiefOps:
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
     shutdown_ops: list                # one enqueue per ps: tells it to exit
+    refill: object = None             # sync/mirrors.Refill; None: no copies
 
 
 @dataclasses.dataclass
@@ -118,9 +120,8 @@ class WorkerGraph:
 def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                  num_test_examples: int, train_steps: int,
                  as_chief: bool | None = None) -> WorkerGraph:
-    """Builds the graph of worker `task.task_index`: the chief's (the
-    default for worker 0; any worker that takes over the chief's work),
-    or another worker's."""
+    """The graph of worker `task.task_index`: the chief's (worker 0's by
+    default; any worker's that takes over its work), or another's."""
     cluster, k = task.cluster, task.task_index
     as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
@@ -161,20 +162,30 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.micro_batch_rows(),
                                            chief=k, lock=lock, epoch=epoch)
                 update = optim.ScheduledUpdate(config, train_steps)
-                step_body = step_lib.ChiefStep(parts, rule, update)
+                mirrors = _mirrors(config, cluster.num_ps, flat, train_steps)
+                step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
             else:
                 step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
                 shared, step_body, start_token, num_steps, train_steps,
                 as_chief, config.min_workers, lambda: lock.current(epoch))
             chief = (_chief_ops(config, cluster.num_ps, flat, rule, coord,
-                                update.optimizer, num_test_examples)
-                     if as_chief else None)
+                                update.optimizer, num_test_examples,
+                                mirrors) if as_chief else None)
             g = WorkerGraph(graph, coord, trainset, start_token, num_steps,
                             loop_outputs, _worker_handles(shared, coord, k),
                             chief, lock)
         graph.finalize()
     return g
+
+
+def _mirrors(config: TrainConfig, num_ps: int, flat, train_steps: int):
+    """--ps_mirrors' copies (trainer/sync/mirrors.py), with an optimizer
+    of their own; None without the flag or with one ps."""
+    if not config.ps_mirrors or num_ps < 2:
+        return None
+    return mirrors_lib.Mirrors(flat.variables, flat.ps_indices, num_ps,
+                               optim.ScheduledUpdate(config, train_steps))
 
 
 def _worker_handles(shared: state_lib.SharedState,
@@ -201,7 +212,7 @@ def _worker_handles(shared: state_lib.SharedState,
 
 
 def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
-               optimizer, num_test_examples: int) -> ChiefOps:
+               optimizer, num_test_examples: int, mirrors) -> ChiefOps:
     init_op = tf.compat.v1.global_variables_initializer()
     shared = rule.shared
     with tf.device(shared.shard_devices[0]):
@@ -222,8 +233,10 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
             shared.global_step.read_value(), read_value=False)
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
-    saver, checkpoint_shapes = checkpoint_saver(
-        flat, state_lib.transient_variables(), optimizer,
+    transient = state_lib.transient_variables()
+    pairs = mirrors.pairs(optimizer) if mirrors else []
+    saver, checkpoint_shapes = checkpoint_saver(  # copies: not saved
+        flat, transient + [copy for _, copy in pairs], optimizer,
         config.keep_checkpoints)
     values = [v.read_value() for v in flat.variables]
     eval_outputs, testset_init = replica_lib.evaluation(
@@ -232,8 +245,8 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         epoch=rule.epoch,
         init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
-        transient_init_op=tf.compat.v1.variables_initializer(
-            state_lib.transient_variables()),
+        transient_init_op=tf.compat.v1.variables_initializer(transient),
+        refill=mirrors_lib.Refill(pairs, transient) if mirrors else None,
         start_op=coord.start_op(),
         mark_ready_op=coord.cluster_fingerprint.initializer,
         absorb_op=rule.absorb_queued(),

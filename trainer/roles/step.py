@@ -70,8 +70,9 @@ class ChiefStep:
     the step if every member pushed, else the same step again."""
 
     def __init__(self, parts: StepParts, rule: averaging.Averaging,
-                 update: optim.ScheduledUpdate):
+                 update: optim.ScheduledUpdate, mirrors=None):
         self.parts, self.rule, self.update = parts, rule, update
+        self.mirrors = mirrors   # sync/mirrors.py, or None
 
     def __call__(self, done, token, stats):
         """Loop body: (steps done, token, stats sums) -> the same, one on."""
@@ -95,6 +96,9 @@ class ChiefStep:
                 # Apply: the optimizer (trainer/learning/optim.py) on each ps.
                 applied = self.update.apply(
                     step, list(zip(mean_grads, parts.flat.variables)))
+                if self.mirrors is not None:  # the same, to the copies
+                    applied = tf.group(applied, self.mirrors.apply(
+                        step, mean_grads))
                 # Count: steps and examples per worker, global step + 1.
                 return (tf.constant(1, tf.int64),
                         rule.count_and_advance(step, [applied]), step_stats)
