@@ -49,6 +49,19 @@ def test_a_hand_written_schedule_is_parsed_or_refused():
             schedule.parse(bad)
 
 
+@pytest.mark.parametrize("task, says", [
+    ("ps2", "--schedule names ps2, but --ps=2"),
+    ("worker4", "--schedule names worker4, but --workers=4")])
+def test_a_schedule_naming_a_task_beyond_the_cluster_is_refused(task, says):
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.nemesis", "--ps=2", "--workers=4",
+         f"--schedule=kill:{task}:120:5", "--hosts=loopback"],
+        capture_output=True, text=True, timeout=120, cwd=helpers.REPO,
+        env=helpers.python_env())
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
 def test_the_chief_is_a_target_only_when_asked():
     assert all(f.task != "worker0" for f in schedule.draw(5, 4, 600, 40))
     faults = schedule.draw(5, 4, 600, 40, chief=True)

@@ -155,11 +155,12 @@ def check_flags(kinds) -> None:
         except ValueError as e:
             raise UserError(f"--schedule: {e}") from None
         chosen = [f.kind for f in faults]
-        beyond = [f.task for f in faults
-                  if int(f.task[len("worker"):]) >= FLAGS.workers]
-        if beyond:
-            raise UserError(f"--schedule names {beyond[0]}, but "
-                            f"--workers={FLAGS.workers}")
+        for f in faults:
+            job = "ps" if f.task.startswith("ps") else "workers"
+            count = FLAGS.ps if job == "ps" else FLAGS.workers
+            if int(f.task.lstrip("psworker")) >= count:
+                raise UserError(f"--schedule names {f.task}, but "
+                                f"--{job}={count}")
     unknown = [k for k in chosen if k not in schedule_lib.KINDS]
     if unknown:
         raise UserError(f"--kinds: {unknown[0]} is unknown; choose from "
