@@ -156,6 +156,17 @@ def test_the_step_read_goes_back_only_where_a_chief_restored(tmp_path):
     assert c.read_step() == 10
 
 
+def test_with_mirrors_only_a_killed_ps_0_excuses_a_restore():
+    def outcome(task):
+        return run_lib.Outcome(None, None, {}, [(0.0, 50, task, "kill")],
+                               [], ended_at=1.0, faults_in_effect={},
+                               hung=False)
+    assert checker.ps_killed(outcome("ps1"))
+    assert not checker.ps_killed(outcome("ps1"), mirrored=True)
+    assert checker.ps_killed(outcome("ps0"), mirrored=True)
+    assert not checker.ps_killed(outcome("worker1"))
+
+
 def test_the_checker_judges_exit_statuses():
     kill_for_good = schedule.Fault(schedule.KILL, "worker1", 20, None)
     cut = schedule.Fault(schedule.CUT, "worker2", 30, 5.0)

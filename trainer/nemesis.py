@@ -110,6 +110,11 @@ def replay_command(seed: int) -> str:
                        f"--seed={seed}", "--schedules=1", *args])
 
 
+def _mirrored() -> bool:
+    return any(f in ("--ps_mirrors", "--ps_mirrors=true")
+               for f in FLAGS.train_flags)
+
+
 def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     """The checker's verdict on one run: problems and figures."""
     # Progress lines are the chief's, in whichever worker's log.
@@ -121,7 +126,7 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     record = np.load(record_path) if record_path.exists() else None
     problems = (param_problems
                 + checker.steps(outcome.logdir, logs, FLAGS.train_steps,
-                                checker.ps_killed(outcome))
+                                checker.ps_killed(outcome, _mirrored()))
                 + checker.statuses(outcome.codes, faults,
                                    outcome.faults_in_effect,
                                    outcome.stopped_late,

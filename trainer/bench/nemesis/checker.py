@@ -117,10 +117,13 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     return problems
 
 
-def ps_killed(outcome) -> bool:
-    """Whether a ps task was killed (its variables are gone)."""
-    return any(task.startswith("ps") and what == schedule_lib.KILL
-               for _, _, task, what in outcome.history)
+def ps_killed(outcome, mirrored: bool = False) -> bool:
+    """Whether a ps task was killed whose variables then existed nowhere
+    else: any ps, or with --ps_mirrors only ps 0 (another is refilled
+    from the copies, and a restore then is steps redone)."""
+    return any(what == schedule_lib.KILL and (
+        task == "ps0" or (task.startswith("ps") and not mirrored))
+        for _, _, task, what in outcome.history)
 
 
 def deposed(outcome) -> set[str]:
