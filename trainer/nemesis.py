@@ -161,11 +161,11 @@ def check_flags(kinds) -> None:
             raise UserError(f"--schedule: {e}") from None
         chosen = [f.kind for f in faults]
         for f in faults:
-            job = "ps" if f.task.startswith("ps") else "workers"
-            count = FLAGS.ps if job == "ps" else FLAGS.workers
-            if int(f.task.lstrip("psworker")) >= count:
+            job, flag = (("ps", "ps") if f.task.startswith("ps")
+                         else ("worker", "workers"))
+            if int(f.task[len(job):]) >= FLAGS[flag].value:
                 raise UserError(f"--schedule names {f.task}, but "
-                                f"--{job}={count}")
+                                f"--{flag}={FLAGS[flag].value}")
     unknown = [k for k in chosen if k not in schedule_lib.KINDS]
     if unknown:
         raise UserError(f"--kinds: {unknown[0]} is unknown; choose from "

@@ -47,10 +47,6 @@ class Mirrors:
         primaries' ps tasks) applied to the copies."""
         return self.update.apply(step, list(zip(mean_grads, self.copies)))
 
-    def variables(self, optimizer) -> list:
-        """Every copy variable (for the saver to leave out)."""
-        return [c for _, c in self.pairs(optimizer)]
-
     def pairs(self, optimizer) -> list[tuple]:
         """(primary, copy) of each variable mirrored: the shards, their
         slots, then the optimizer's other state. Call after the step's
@@ -91,8 +87,8 @@ class Refill:
                 self.device[to.op.name] = to.device
         for v in transient:   # the protocol's state there starts afresh
             self.fill[v.op.name] = v.initializer
-        self.copy_all = tf.group([b.assign(a.read_value(), read_value=False)
-                                  for a, b in pairs])
+        # After an initialize or a restore: each copy from its primary.
+        self.copy_all = tf.group([self.fill[b.op.name] for _, b in pairs])
 
     def after_restart(self, session, uninitialized: tf.Tensor) -> None:
         """Fills what a ps started again lost from the copies, where each
