@@ -167,6 +167,31 @@ def test_with_mirrors_only_a_killed_ps_0_excuses_a_restore():
     assert not checker.ps_killed(outcome("worker1"))
 
 
+def test_a_term_undone_while_the_worker_still_leaves_starts_it_after(
+        tmp_path):
+    """Suite schedule 1 on a slow run: worker 2, sent SIGTERM, was still
+    telling the chief it leaves when its restart was due; the restart
+    was skipped, and it ended with status 143."""
+    from trainer.bench.nemesis import cluster as cluster_lib
+
+    class Process:
+        code = None
+
+        def poll(self):
+            return self.code
+
+    c = cluster_lib.Cluster(tmp_path, [], 3, ports=[1, 2, 3, 4])
+    started = []
+    c.start = started.append
+    leaving = c.processes["worker2"] = Process()
+    c.undo(schedule.Fault(schedule.TERM, "worker2", 10, 3.0), {})
+    assert started == []
+    leaving.code = 143
+    c.start_exited()
+    c.start_exited()
+    assert started == ["worker2"]
+
+
 def test_the_checker_judges_exit_statuses():
     kill_for_good = schedule.Fault(schedule.KILL, "worker1", 20, None)
     cut = schedule.Fault(schedule.CUT, "worker2", 30, 5.0)

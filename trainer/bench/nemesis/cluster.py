@@ -65,6 +65,7 @@ class Cluster:
         self.history: list[tuple] = []
         self.step, self._read_to = 0, {}   # log path -> bytes read
         self.chief = "worker0"   # the task that does the chief's work now
+        self._to_start = set()   # undone kills and terms, still running
 
     def start(self, name: str) -> None:
         script = "run_ps.sh" if name.startswith("ps") else "run_worker.sh"
@@ -158,8 +159,11 @@ class Cluster:
         if kind in faults_on.get(name, ()):
             return
         if kind in (schedule_lib.KILL, schedule_lib.TERM):
-            if not self.running(name):
-                self.start(name)
+            # A worker sent SIGTERM may still be leaving (it tells the
+            # chief first, slowly on a starved host): it is started again
+            # once it has exited (start_exited).
+            self._to_start.add(name)
+            self.start_exited()
             return
         if kind == schedule_lib.STOP:
             if self.running(name):
@@ -171,6 +175,14 @@ class Cluster:
         elif kind == schedule_lib.STARVE:
             self.hosts[name].set_cpu(self.cpu)
         self.note(name, f"end {kind}")
+
+    def start_exited(self) -> None:
+        """Starts again each task whose kill or term was undone, once its
+        process has exited."""
+        for name in sorted(self._to_start):
+            if not self.running(name):
+                self._to_start.discard(name)
+                self.start(name)
 
     def pace(self, cores: float) -> None:
         """Every host's CPU budget becomes `cores` (and what undoing a

@@ -103,6 +103,7 @@ def _drive(cluster, faults: list, setup: Setup) -> Outcome:
             _, _, fault = heapq.heappop(undo_at)
             on[fault.task].remove(fault.kind)
             cluster.undo(fault, on)
+        cluster.start_exited()
         time.sleep(POLL_SECS)
     ended = time.time()
     hung = cluster.running("ps0")
