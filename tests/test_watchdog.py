@@ -1,10 +1,14 @@
-"""The watchdog on its own: a stalled step, an unreachable ps, progress."""
+"""The watchdog on its own: a stalled step, an unreachable ps, progress;
+and the membership watch's last slices."""
 
 import itertools
 import threading
+import types
 
+import numpy as np
 import pytest
 
+from trainer.roles import membership
 from trainer.roles import watchdog as watchdog_lib
 
 
@@ -71,3 +75,35 @@ def test_failing_reads_after_progress_report_the_last_step_seen():
 def test_a_moving_step_never_times_out():
     steps = itertools.count()
     assert watch(lambda: (next(steps), [0.0]), wait_secs=1.5) == []
+
+
+class Writer:
+    """A FileWriter's add_summary, kept: [(step, {tag: value})]."""
+
+    def __init__(self):
+        self.written = []
+
+    def add_summary(self, summary, step):
+        self.written.append((step, {v.tag: v.simple_value
+                                    for v in summary.value}))
+
+
+def test_the_last_rounds_slices_are_written_even_if_no_check_ran():
+    """A run that ends before the membership watch's first check still
+    leaves each worker's slice at its last step (TensorBoard's cards)."""
+
+    state = {"step": 30, "round": 30, "planned": np.array([True, True]),
+             "admitted": np.array([True, True]),
+             "roster": np.array([True, True]),
+             "slices": np.array([[0, 40], [40, 64]]),
+             "last_push": np.array([30, 30]),
+             "issued_round": np.array([30, 30])}
+    writer = Writer()
+    watch = membership.MembershipWatch(
+        lambda: state, None, None, None, types.SimpleNamespace(log_every=10), writer,
+        on_unreachable=None)
+    watch.write_last_slices()
+    assert writer.written == [
+        (30, {"membership/slice_0": 40.0, "membership/slice_1": 24.0})]
+    watch.write_last_slices()   # nothing new to say: not written twice
+    assert len(writer.written) == 1

@@ -68,6 +68,7 @@ class Chief(WorkerRole):
             # Every worker, in or out, learns that training is over.
             self.session.run(ops.end_op)
             self._end_late_joiners(watch)
+        watch.write_last_slices()
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
         writer.close()

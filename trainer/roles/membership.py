@@ -65,7 +65,8 @@ class MembershipWatch(BackgroundThread):
         FileWriter for membership scalars, or None. chief: the chief's
         worker index (never reported lost)."""
         super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
-        self._read = BoundedRead(lambda: _Round(**read()))
+        self._read = read
+        self._bounded_read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
@@ -80,6 +81,14 @@ class MembershipWatch(BackgroundThread):
     def stop(self) -> None:
         super().stop()
         self.take_records()   # what the last rounds recorded
+
+    def write_last_slices(self) -> None:
+        """The last round's slices, at the run's end, once stopped: a
+        short run may end between two checks, or while slow reads kept
+        every check from writing."""
+        state = _Round(**self._read())
+        if state.step != self._logged_step:
+            self._note_slices(state, always=True)
 
     def take_records(self) -> None:
         """Logs and keeps the roster changes recorded so far."""
@@ -109,7 +118,7 @@ class MembershipWatch(BackgroundThread):
             self._heard, self._failing_since = {}, None
         self._last = now
         try:
-            state = self._read()
+            state = self._bounded_read()
             self.take_records()
         except Exception:  # noqa: BLE001 (any failure: no answer)
             self._failing_since = self._failing_since or now
@@ -119,11 +128,7 @@ class MembershipWatch(BackgroundThread):
                 return False
             return None
         self._failing_since = None
-        if state.planned.any():  # not before the first plan
-            sizes = state.slices[:, 1] - state.slices[:, 0]
-            self.slices = [int(n) if planned else 0
-                           for n, planned in zip(sizes, state.planned)]
-            self._write_slices(state.step)
+        self._note_slices(state)
         for k in late(state, self._chief):
             self._check_silent(k, state, now)
         return None
@@ -148,10 +153,17 @@ class MembershipWatch(BackgroundThread):
         heard[k] = (pushed, since, True)
         self._report_lost(k)
 
-    def _write_slices(self, step: int) -> None:
-        """Each worker's slice, once per --log_every steps."""
-        every = self._config.log_every
-        if self._writer is None or step // every == self._logged_step // every:
+    def _note_slices(self, state: _Round, always: bool = False) -> None:
+        """Keeps each worker's slice of the round (not before the first
+        plan) and writes them once per --log_every steps, or now."""
+        if not state.planned.any():
+            return
+        sizes = state.slices[:, 1] - state.slices[:, 0]
+        self.slices = [int(n) if planned else 0
+                       for n, planned in zip(sizes, state.planned)]
+        step, every = state.step, self._config.log_every
+        if self._writer is None or (
+                not always and step // every == self._logged_step // every):
             return
         summaries.write_scalars(self._writer, step, {
             f"membership/slice_{k}": n for k, n in enumerate(self.slices)})
