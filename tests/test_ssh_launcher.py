@@ -231,7 +231,7 @@ def test_a_bad_host_is_named_and_nothing_starts(hosts, data, tmp_path, bad,
     assert "nothing was started: 1 of 3 hosts failed the check" in run.output
     assert "started ps0" not in run.output
     assert not (tmp_path / "logs").exists()
-    assert trainer_processes(hosts) == []
+    assert trainer_processes(hosts) == [], run.output[-6000:]
 
 
 def test_a_worker_whose_host_drops_out_is_started_again_when_it_is_back(
@@ -263,4 +263,4 @@ def test_a_worker_whose_host_drops_out_is_started_again_when_it_is_back(
         assert run.wait(timeout=90) == 130, run.output[-4000:]
     finally:
         run.stop()
-    assert trainer_processes(hosts) == []
+    assert trainer_processes(hosts) == [], run.output[-6000:]

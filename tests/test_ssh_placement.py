@@ -2,9 +2,14 @@
 the check's verdicts, and trainer.remote's facts. No ssh, no cluster."""
 
 import shlex
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
+from tests import helpers
 from trainer import remote
 from trainer.cluster import preflight
 from trainer.cluster import ssh
@@ -96,3 +101,27 @@ def test_remote_facts_name_versions_ports_and_data(tmp_path):
     assert len(facts["data_missing"]) == 4
     assert facts["tensorflow"] and facts["python"].count(".") == 2
     assert facts["trainer"] == remote.trainer_version()
+
+
+def test_a_hang_up_while_the_port_is_taken_starts_nothing(tmp_path):
+    """`trainer.remote run` waits for its port (a run before a lost
+    connection may still hold it); the launcher hanging up meanwhile ends
+    it with 143 at once (before, it waited out the port, PORT_WAIT_SECS,
+    then started a task that outlived the launcher)."""
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.Popen(
+            [sys.executable, "-m", "trainer.remote", "run", f"--port={port}",
+             "--", "--job_name=ps", f"--logdir={tmp_path}"],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=helpers.REPO, env=helpers.python_env())
+        try:
+            time.sleep(2)
+            run.stdin.close()
+            assert run.wait(timeout=20) == 143
+        finally:
+            run.kill()
+            run.wait()
+    assert f"port {port} is taken" in run.stderr.read()

@@ -41,7 +41,7 @@ from absl import logging
 from trainer.common import processes
 from trainer.learning import data as data_lib
 
-STOP_GRACE_SECS = 40.0  # the chief's checkpoint on SIGTERM must fit
+STOP_GRACE_SECS = processes.CHIEF_STOP_SECS + 5.0  # then SIGKILL
 SILENCE_SECS = 30.0     # the launcher writes a heartbeat every 5 s
 PORT_WAIT_SECS = SILENCE_SECS + STOP_GRACE_SECS + 5.0
 _PACKAGE = pathlib.Path(__file__).resolve().parent
@@ -99,18 +99,19 @@ def run(flags: list[str], port: int | None = None) -> int:
     be free first. After a cut link, the launcher starts a worker again as
     soon as ssh gets through, while the one it had started before may
     still be on its way out (it stops SILENCE_SECS after its last
-    heartbeat).
+    heartbeat). A launcher that hangs up meanwhile ends the wait, and
+    nothing is started.
     """
-    if port is not None:
-        _wait_for_port(port)
-    task = processes.Child.start(
-        "task", [sys.executable, "-m", "trainer.main", *flags],
-        processes.child_env(), own_session=False, die_with_parent=True,
-        stdin=subprocess.DEVNULL)
+    hung_up = threading.Event()
+    started: list[processes.Child] = []
 
     def stop(*_):
         # Only the main thread reaps the task (poll below): a second
         # waiter could take its exit status away.
+        hung_up.set()
+        if not started:
+            return
+        task = started[0]
         _send(task, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECS
         while task.process.returncode is None:
@@ -123,30 +124,41 @@ def run(flags: list[str], port: int | None = None) -> int:
         target=stop, daemon=True).start())
     signal.signal(signal.SIGHUP, signal.getsignal(signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides
-
-    def watch_stdin():
-        fd = sys.stdin.fileno()
-        while True:
-            ready, _, _ = select.select([fd], [], [], SILENCE_SECS)
-            if not ready:  # no heartbeat: the launcher is gone or cut off
-                break
-            if not os.read(fd, 4096):  # stdin closed: stop
-                break
-        stop()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    status = task.poll(block=True)
+    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    if port is not None:
+        _wait_for_port(port, hung_up)
+    if hung_up.is_set():
+        return 128 + signal.SIGTERM
+    started.append(processes.Child.start(
+        "task", [sys.executable, "-m", "trainer.main", *flags],
+        processes.child_env(), own_session=False, die_with_parent=True,
+        stdin=subprocess.DEVNULL))
+    if hung_up.is_set():  # hung up while the task started
+        threading.Thread(target=stop, daemon=True).start()
+    status = started[0].poll(block=True)
     return 128 - status if status < 0 else status
 
 
-def _wait_for_port(port: int) -> None:
+def _watch_stdin(stop) -> None:
+    """Calls stop() once stdin closes, or no heartbeat came for
+    SILENCE_SECS (the launcher is gone or cut off)."""
+    fd = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([fd], [], [], SILENCE_SECS)
+        if not ready or not os.read(fd, 4096):
+            break
+    stop()
+
+
+def _wait_for_port(port: int, hung_up: threading.Event) -> None:
     deadline = time.monotonic() + PORT_WAIT_SECS
     if _taken(port):
         logging.warning("port %d is taken, perhaps by this task's run "
                         "before a lost connection, on its way out; waiting "
                         "for it", port)
-    while _taken(port) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    while (_taken(port) and time.monotonic() < deadline
+           and not hung_up.wait(0.5)):
+        pass
 
 
 def _send(task: processes.Child, signum: int) -> None:

@@ -41,7 +41,6 @@ NOISE = re.compile(
     r"computation placer already registered|TF-TRT Warning|"
     r"cuda_executor|cudart_stub)")
 STOP_SIGNAL_GRACE_SECS = 5.0
-_CHIEF_STOP_SECS = 30.0     # Ctrl-C: how long the chief may take to save
 CHIEF = "worker0"
 INPUT_ERROR_STATUS = 2   # bad input (trainer/flags.py): every task has it
 
@@ -199,12 +198,13 @@ class Restarts:
 def _stop_chief_first(tasks: list[TaskProcess], name: str) -> None:
     """Ctrl-C: SIGTERM to the chief (task `name`), which saves a
     checkpoint at the next step boundary and stops every task; whatever
-    still runs after _CHIEF_STOP_SECS is stopped as usual."""
+    still runs after the chief's time to stop (a little more over ssh,
+    whose remote side must pass the exit on) is stopped as usual."""
     chief = next((t for t in reversed(tasks)
                   if t.name == name and t.poll() is None), None)
     if chief is not None and chief.poll() is None:
         chief.signal(signal.SIGTERM)
-        deadline = time.monotonic() + _CHIEF_STOP_SECS
+        deadline = time.monotonic() + processes.CHIEF_STOP_SECS + 5.0
         while (any(t.poll() is None for t in tasks)
                and time.monotonic() < deadline):
             time.sleep(0.1)

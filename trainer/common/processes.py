@@ -34,6 +34,11 @@ from typing import Callable, Iterable
 from absl import logging
 
 KILL_WAIT_SECS = 10.0  # for SIGKILLed processes to be gone
+# How long a chief sent SIGTERM may take to end training at a step
+# boundary, save a checkpoint and stop every task. The chief itself
+# (trainer/roles/run.py), ssh's remote side (trainer/remote.py) and the
+# launchers' Ctrl-C (trainer/cluster/tasks.py) all wait this long.
+CHIEF_STOP_SECS = 60.0
 
 
 def child_env(**changes) -> dict:

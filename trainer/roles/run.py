@@ -19,6 +19,7 @@ from trainer.roles import graph as worker_graph
 from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
+from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.worker import Worker
@@ -141,7 +142,6 @@ def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
 
 _running = []            # the worker role of this process, once built
 LEAVE_DEADLINE_SECS = 1.5
-CHIEF_GRACE_SECS = 60.0
 
 
 def terminate() -> float:
@@ -156,7 +156,7 @@ def terminate() -> float:
     if isinstance(role, Chief):
         threading.Thread(target=role.halt, args=(
             "the chief was sent SIGTERM",), daemon=True).start()
-        return CHIEF_GRACE_SECS
+        return processes.CHIEF_STOP_SECS
     ThreadCall(lambda: _quietly(role.leave), "leave").done(
         LEAVE_DEADLINE_SECS)
     logging.info("told the chief that this worker leaves")
