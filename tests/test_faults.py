@@ -160,11 +160,13 @@ def test_ps_killed_and_restarted(cluster, tmp_path, reference):
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
+@pytest.mark.parametrize("ps", [0, 1])
 def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
-        tmp_path, data, reference):
-    """--ps_mirrors, 2 ps: ps 1 killed at step 120 or later and started
-    again is refilled from the copies on ps 0; nothing is restored, no
-    step is trained again, and the run ends as the one without a fault."""
+        tmp_path, data, reference, ps):
+    """--ps_mirrors, 2 ps: ps 0 or 1 killed at step 120 or later and
+    started again is refilled from the copies on the other (ps 0's own
+    step from its copy on ps 1); nothing is restored, no step is trained
+    again, and the run ends as the one without a fault."""
     c = helpers.ManualCluster(
         tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
         f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
@@ -180,12 +182,12 @@ def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
         # half done, and the chief would restore a checkpoint instead.
         os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
         time.sleep(2)
-        c.kill("ps1")
+        c.kill(f"ps{ps}")
         time.sleep(1)
-        c.start("ps", 1)
+        c.start("ps", ps)
         os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
-        c.wait_for("worker0", r"refilled /job:ps/task:1 from the mirrors: "
-                              r"nothing restored")
+        c.wait_for("worker0", rf"refilled /job:ps/task:{ps} from the "
+                              r"mirrors: nothing restored")
         went_on = int(c.wait_for(
             "worker0", r"goes on from the state on the ps tasks at step "
                        r"(\d+)").group(1))
@@ -194,6 +196,9 @@ def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
             == [0] * 4
         assert not re.search(r"restored \S+ \(global step",
                              c.log("worker0"))
+        # Every step after the refill is recorded once (step_record.py).
+        assert "did not average the global batch exactly once" not in (
+            c.log("worker0"))
         assert_same_as_reference(tmp_path / "logs", reference)
     finally:
         c.close()

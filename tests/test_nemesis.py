@@ -156,15 +156,35 @@ def test_the_step_read_goes_back_only_where_a_chief_restored(tmp_path):
     assert c.read_step() == 10
 
 
-def test_with_mirrors_only_a_killed_ps_0_excuses_a_restore():
-    def outcome(task):
-        return run_lib.Outcome(None, None, {}, [(0.0, 50, task, "kill")],
+def test_with_mirrors_only_two_killed_ps_excuse_a_restore():
+    def outcome(*tasks):
+        return run_lib.Outcome(None, None, {}, [(0.0, 50, task, "kill")
+                                                for task in tasks],
                                [], ended_at=1.0, faults_in_effect={},
                                hung=False)
     assert checker.ps_killed(outcome("ps1"))
     assert not checker.ps_killed(outcome("ps1"), mirrored=True)
-    assert checker.ps_killed(outcome("ps0"), mirrored=True)
+    assert not checker.ps_killed(outcome("ps0", "ps0"), mirrored=True)
+    assert checker.ps_killed(outcome("ps0", "ps1"), mirrored=True)
     assert not checker.ps_killed(outcome("worker1"))
+
+
+def test_a_restore_passes_only_where_a_write_was_cut_short(tmp_path):
+    """The chief's log says why it restores; only a cut write (or a ps
+    killed without copies) excuses it, and the step going back."""
+    line = ("I1127 10:00:00.000000 1 progress.py:118] step {}/300  loss "
+            "0.1000  train accuracy 90.00%  100 images/s  1.00 ms/step  "
+            "dropped gradients 0  ETA 0:00:01\n")
+    restore = "I1127 chief.py:1] restored model.ckpt-100 (global step 100)\n"
+    redone = line.format(150) + restore + line.format(110)
+    cut = line.format(150) + ("W1127 mirrors.py:1] ps 0 was lost inside a "
+                              "step's write: its copies on ps 1 are not "
+                              "whole\n") + restore + line.format(110)
+    problems = checker.steps(tmp_path, [redone], 300)
+    assert any("went back" in p for p in problems)
+    assert any("steps redone" in p for p in problems)
+    problems = checker.steps(tmp_path, [cut], 300)
+    assert not any("went back" in p or "redone" in p for p in problems)
 
 
 def test_a_term_undone_while_the_worker_still_leaves_starts_it_after(

@@ -274,12 +274,13 @@ class Chief(WorkerRole):
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
         # No restore where the ps tasks hold every variable and no write
-        # was cut short: they hold every step applied, and the protocol's
-        # counts and records go on. (TensorFlow's SessionManager would
-        # restore the newest checkpoint over them, redoing steps.) A ps
-        # started again is refilled from the mirrors, where they are.
-        if not lost and ops.refill:
-            ops.refill.after_restart(self.session, ops.uninitialized)
+        # was cut short: they hold every step applied. (TensorFlow's
+        # SessionManager would restore over them, redoing steps.) A ps
+        # started again is refilled from the mirrors, where they are; a
+        # refilled ps 0's step record starts anew, as after a restore.
+        if not lost and ops.refill and ops.refill.after_restart(
+                self.session, ops.uninitialized):
+            self.session.run(ops.set_record_from)
         if not lost and not len(self.session.run(ops.uninitialized)):
             step = int(self.session.run(self.g.handles.global_step))
             # results.json counts this chief's steps only.

@@ -19,6 +19,7 @@ from trainer.learning import fixed_point
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.roles import step as step_lib
+from trainer.roles import takeover
 from trainer.learning import optim
 from trainer.saving.checkpoints import checkpoint_saver
 from trainer.sync import averaging
@@ -140,7 +141,9 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             coord = coordination.RunCoordination(
                 shared, turns, fingerprint(config, task, train_steps),
                 chief=k if as_chief else 0)
-            lock = chief_lock.ChiefLock(shard_devices[0])
+            lock = chief_lock.ChiefLock(
+                shard_devices[0],
+                takeover.epoch_copy_device(config, cluster.num_ps))
             with tf.device(shard_devices[0]):
                 epoch = tf.compat.v1.placeholder_with_default(
                     tf.constant(-1, tf.int64), [], "chief_epoch")
@@ -162,7 +165,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.micro_batch_rows(),
                                            chief=k, lock=lock, epoch=epoch)
                 update = optim.ScheduledUpdate(config, train_steps)
-                mirrors = _mirrors(config, cluster.num_ps, flat, train_steps)
+                mirrors = _mirrors(config, cluster.num_ps, flat, train_steps,
+                                   shared.global_step)
                 step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
             else:
                 step_body = step_lib.WorkerStep(parts)
@@ -179,13 +183,15 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
     return g
 
 
-def _mirrors(config: TrainConfig, num_ps: int, flat, train_steps: int):
+def _mirrors(config: TrainConfig, num_ps: int, flat, train_steps: int,
+             global_step):
     """--ps_mirrors' copies (trainer/sync/mirrors.py), with an optimizer
     of their own; None without the flag or with one ps."""
     if not config.ps_mirrors or num_ps < 2:
         return None
     return mirrors_lib.Mirrors(flat.variables, flat.ps_indices, num_ps,
-                               optim.ScheduledUpdate(config, train_steps))
+                               optim.ScheduledUpdate(config, train_steps),
+                               global_step)
 
 
 def _worker_handles(shared: state_lib.SharedState,
@@ -235,9 +241,10 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         tf.constant(0), [], "shutdown_status")
     transient = state_lib.transient_variables()
     pairs = mirrors.pairs(optimizer) if mirrors else []
+    copies = [copy for _, copy in pairs] + ([mirrors.begun] if mirrors
+                                            else [])
     saver, checkpoint_shapes = checkpoint_saver(  # copies: not saved
-        flat, transient + [copy for _, copy in pairs], optimizer,
-        config.keep_checkpoints)
+        flat, transient + copies, optimizer, config.keep_checkpoints)
     values = [v.read_value() for v in flat.variables]
     eval_outputs, testset_init = replica_lib.evaluation(
         config, flat, values, num_test_examples)
@@ -246,7 +253,9 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(transient),
-        refill=mirrors_lib.Refill(pairs, transient) if mirrors else None,
+        refill=(mirrors_lib.Refill(mirrors, pairs,
+                                   transient + [shared.dropped])
+                if mirrors else None),
         start_op=coord.start_op(),
         mark_ready_op=coord.cluster_fingerprint.initializer,
         absorb_op=rule.absorb_queued(),

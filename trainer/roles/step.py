@@ -93,15 +93,19 @@ class ChiefStep:
             def apply_step():
                 # Average: their sum over their examples, per shard on its ps.
                 mean_grads, step_stats = rule.average(verdict.rows)
-                # Apply: the optimizer (trainer/learning/optim.py) on each ps.
-                applied = self.update.apply(
-                    step, list(zip(mean_grads, parts.flat.variables)))
-                if self.mirrors is not None:  # the same, to the copies
-                    applied = tf.group(applied, self.mirrors.apply(
-                        step, mean_grads))
+                # Apply: the optimizer (trainer/learning/optim.py) on each
+                # ps, and with mirrors the same to the copies.
+                if self.mirrors is None:
+                    applied = self.update.apply(
+                        step, list(zip(mean_grads, parts.flat.variables)))
+                else:
+                    applied = self.mirrors.apply(step, mean_grads,
+                                                 self.update)
                 # Count: steps and examples per worker, global step + 1.
-                return (tf.constant(1, tf.int64),
-                        rule.count_and_advance(step, [applied]), step_stats)
+                next_step = rule.count_and_advance(step, [applied])
+                if self.mirrors is not None:
+                    next_step = self.mirrors.advance(next_step)
+                return tf.constant(1, tf.int64), next_step, step_stats
 
             def not_applied():
                 return (tf.constant(0, tf.int64), rule.unfinished_round(step),

@@ -72,7 +72,8 @@ def lock_session(target: str, task, config):
     that claims or asks about the chief's role outside its own graph."""
     graph = tf.Graph()
     with graph.as_default():
-        lock = ChiefLock(devices.ps_device(0))
+        lock = ChiefLock(devices.ps_device(0),
+                         epoch_copy_device(config, task.cluster.num_ps))
     return tf.compat.v1.Session(target, graph=graph, config=(
         devices.session_config(config, task))), lock
 
@@ -82,10 +83,13 @@ def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
     puts back the next one. Returns (this chief's epoch, lost), lost if a
     claim found the lock empty for `wait_secs`: a chief was killed inside
     a write, which may be half done, so the newest checkpoint must be
-    restored. The first claim on a fresh ps 0 finds no record and no
-    epoch, and waits for none."""
+    restored. A claim on a fresh ps 0 (the run's first, or after ps 0
+    was started again) finds no record and no epoch, waits for none, and
+    goes on from the epoch's copy where there is one."""
     previous, lost = 0, False
-    if session.run(lock.is_recorded):
+    if not session.run(lock.is_recorded):
+        previous = int(session.run(lock.last_epoch))
+    else:
         options = tf.compat.v1.RunOptions(
             timeout_in_ms=int(wait_secs * 1000))
         try:
@@ -217,6 +221,12 @@ class Warmed:
     session: tf.compat.v1.Session
     loop: Callable
     epoch: dict
+
+
+def epoch_copy_device(config, num_ps: int) -> str | None:
+    """Where the chief's epoch has a copy: ps 1 with --ps_mirrors."""
+    return (devices.ps_device(1) if config.ps_mirrors and num_ps > 1
+            else None)
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:

@@ -22,6 +22,10 @@ would plan, admit or apply as soon as its link returns. So:
   empty, and that write may be half done across the ps tasks. A claim that
   waits --worker_timeout_secs in vain concludes that, and the new chief
   restores the newest checkpoint, as a restarted chief does.
+- With --ps_mirrors, `mirror/chief_epoch` on ps 1 keeps the last claimed
+  epoch. A ps 0 started again has no record, and a claim there goes on
+  from that copy: an epoch is never given out twice, so a chief deposed
+  before ps 0 died stays deposed.
 """
 
 import tensorflow as tf
@@ -35,16 +39,20 @@ class ChiefLock:
     name. Neither is checkpointed nor initialized with the others: the
     record is written by the first claim, and outlives restores."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, copy_device: str | None = None):
+        """copy_device: where the last claimed epoch has a copy (ps 1,
+        with --ps_mirrors), or None."""
         self.device = device
         with tf.device(device):
             self.queue = tf.queue.FIFOQueue(
                 1, [tf.int64], shapes=[[]], shared_name="sync/chief_lock",
                 name="sync_chief_lock")
-            self.record = tf.compat.v1.get_variable(
-                "sync/chief", [3], tf.int64,
-                initializer=tf.compat.v1.zeros_initializer(),
-                trainable=False, use_resource=True, collections=[])
+            self.record = _unsaved("sync/chief", [3])
+        self.epoch_copy = None
+        if copy_device is not None:
+            with tf.device(copy_device):
+                self.epoch_copy = _unsaved("mirror/chief_epoch", [])
+        with tf.device(device):
             self._claiming_ops()
 
     def guarded(self, epoch: tf.Tensor, write, refused, after=()):
@@ -75,15 +83,25 @@ class ChiefLock:
         out), put (records (epoch_in, index_in, 0 beats), then puts
         epoch_in in the lock), recorded (int64 [3]; fails before the
         first claim), is_recorded (bool []), size (int32 []: 1 while
-        the lock is in) and beat."""
+        the lock is in), beat, and last_epoch (int64 []: the copy's
+        epoch, 0 without one)."""
         self.take = self.queue.dequeue()
         self.size = self.queue.size()
         self.epoch_in = tf.compat.v1.placeholder(tf.int64, [], "epoch_in")
         self.index_in = tf.compat.v1.placeholder(tf.int64, [], "index_in")
-        recorded = self.record.assign(
+        recorded = [self.record.assign(
             tf.stack([self.epoch_in, self.index_in,
-                      tf.constant(0, tf.int64)]), read_value=False)
-        with tf.control_dependencies([recorded]):
+                      tf.constant(0, tf.int64)]), read_value=False)]
+        self.last_epoch = tf.constant(0, tf.int64)
+        if self.epoch_copy is not None:
+            copy = self.epoch_copy
+            with tf.device(copy.device):
+                recorded.append(copy.assign(self.epoch_in, read_value=False))
+                # int64 []: the copy, 0 before the first claim wrote it.
+                self.last_epoch = tf.cond(
+                    tf.raw_ops.VarIsInitializedOp(resource=copy.handle),
+                    copy.read_value, lambda: tf.constant(0, tf.int64))
+        with tf.control_dependencies(recorded):
             self.put = self.queue.enqueue(self.epoch_in)
         self.recorded = self.record.read_value()
         self.is_recorded = tf.raw_ops.VarIsInitializedOp(
@@ -91,3 +109,11 @@ class ChiefLock:
         self.beat = tf.raw_ops.ResourceScatterAdd(
             resource=self.record.handle, indices=[BEATS],
             updates=tf.constant([1], tf.int64))
+
+
+def _unsaved(name: str, shape: list) -> tf.Variable:
+    """An int64 variable of zeros outside every collection: not
+    checkpointed, not initialized with the others."""
+    return tf.compat.v1.get_variable(
+        name, shape, tf.int64, initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False, use_resource=True, collections=[])

@@ -10,11 +10,19 @@ so each copy holds its primary's bits. Copies are not in checkpoints:
 after an initialize or a restore every copy is set from its primary
 (`Refill.copy_all`).
 
-A ps killed inside a write may leave it half done on the survivors; the
-chief lock tells (its epoch was never put back), and the chief restores
-the newest checkpoint then, as without mirrors. ps 0's own state (the
-global step, the lock, the protocol's counts) has no copy: a ps 0 started
-again is restored from a checkpoint too.
+ps 0's own state has a copy on ps 1 as well: `mirror/global_step`, set
+at the end of each step's write, and `mirror/begun`, set to the step the
+write brings the run to at its start, before anything on ps 1 is
+written. Where the two differ, a write was cut
+short on ps 1. So a ps 0 started again is refilled where ps 1's copies are
+whole; its protocol state starts afresh (the workers join again), and so
+do its counts of dropped gradients and of steps by worker, as after a
+restore. The chief's epoch has a copy too (sync/chief_lock.py).
+
+A ps other than ps 0 killed inside a write may leave it half done on the
+survivors; the chief lock tells (its epoch was never put back), and the
+chief restores the newest checkpoint then, as without mirrors; so it does
+for a ps 0 lost inside a write, which the copies on ps 1 tell.
 """
 
 from absl import logging
@@ -29,23 +37,52 @@ class Mirrors:
     """The copies of one chief graph, and the ops that refill them."""
 
     def __init__(self, primaries: list, ps_indices: list[int], num_ps: int,
-                 update: optim.ScheduledUpdate):
+                 update: optim.ScheduledUpdate, global_step: tf.Variable):
         """primaries: the shard variables (float32 [n_i]), shard i on ps
-        ps_indices[i]; update: a second optimizer of the run's rule."""
+        ps_indices[i]; update: a second optimizer of the run's rule;
+        global_step: int64 [] on ps 0."""
         self.primaries, self.update = primaries, update
         self.copies = []
         for v, p in zip(primaries, ps_indices):
             with tf.compat.v1.device(f"/job:ps/task:{(p + 1) % num_ps}"):
-                self.copies.append(tf.compat.v1.get_variable(
-                    COPY_PREFIX + v.op.name.split("/")[-1], v.shape,
-                    v.dtype.base_dtype,
-                    initializer=tf.compat.v1.zeros_initializer(),
-                    use_resource=True))
+                self.copies.append(_copy(v.op.name.split("/")[-1], v,
+                                         trainable=True))
+        self.global_step = global_step
+        with tf.compat.v1.device("/job:ps/task:1"):
+            self.step_copy = _copy("global_step", global_step)
+            self.begun = _copy("begun", global_step)
 
-    def apply(self, step: tf.Tensor, mean_grads: list) -> tf.Operation:
+    def apply(self, step: tf.Tensor, mean_grads: list,
+              update: optim.ScheduledUpdate) -> tf.Operation:
         """The step's update (mean_grads: float32 [n_i] per shard, on the
-        primaries' ps tasks) applied to the copies."""
-        return self.update.apply(step, list(zip(mean_grads, self.copies)))
+        primaries' ps tasks) applied by `update` to the primaries and by
+        ours to the copies, each only once `begun` holds the step's end
+        on ps 1."""
+        with tf.device(self.begun.device):
+            begun = self.begun.assign(step + 1, read_value=False)
+        held = []
+        for g in mean_grads:   # each where it is: no extra transfer
+            with tf.device(g.device), tf.control_dependencies([begun]):
+                held.append(tf.identity(g))
+        return tf.group(
+            update.apply(step, list(zip(held, self.primaries))),
+            self.update.apply(step, list(zip(held, self.copies))))
+
+    def advance(self, next_step: tf.Tensor) -> tf.Tensor:
+        """After the step's write on ps 0 (next_step: int64 [], the new
+        global step), its copy on ps 1: that write is whole there."""
+        with tf.device(self.step_copy.device), \
+                tf.control_dependencies([next_step]):
+            copied = self.step_copy.assign(next_step, read_value=False)
+        with tf.control_dependencies([copied]):
+            return tf.identity(next_step)
+
+    def whole(self) -> tf.Tensor:
+        """bool []: no write was cut short on ps 1 (its copies of ps 0's
+        state are at one step)."""
+        with tf.device(self.begun.device):
+            return tf.equal(self.begun.read_value(),
+                            self.step_copy.read_value())
 
     def pairs(self, optimizer) -> list[tuple]:
         """(primary, copy) of each variable mirrored: the shards, their
@@ -59,7 +96,15 @@ class Mirrors:
         theirs = _other_state(optimizer, self.primaries)
         ours = _other_state(mine, self.copies)
         assert [v.shape for v in theirs] == [v.shape for v in ours]
-        return pairs + list(zip(theirs, ours))
+        return pairs + list(zip(theirs, ours)) + [
+            (self.global_step, self.step_copy)]
+
+
+def _copy(name: str, like: tf.Variable, trainable=False) -> tf.Variable:
+    return tf.compat.v1.get_variable(
+        COPY_PREFIX + name, like.shape, like.dtype.base_dtype,
+        initializer=tf.compat.v1.zeros_initializer(), trainable=trainable,
+        use_resource=True)
 
 
 def _other_state(optimizer, slotted: list) -> list:
@@ -76,34 +121,53 @@ class Refill:
     """The chief's side: fills the variables a ps started again lost from
     their partners, and sets every copy from its primary."""
 
-    def __init__(self, pairs: list[tuple], transient: list):
+    def __init__(self, mirrors: Mirrors, pairs: list[tuple], afresh: list):
+        """pairs: mirrors.pairs(); afresh: the variables that start afresh
+        (the protocol's, and ps 0's count of dropped gradients)."""
         self.fill, self.partner, self.device = {}, {}, {}
-        for a, b in pairs:
-            for to, source in ((a, b), (b, a)):
-                with tf.device(to.device):
-                    self.fill[to.op.name] = to.assign(source.read_value(),
-                                                      read_value=False)
-                self.partner[to.op.name] = source.op.name
-                self.device[to.op.name] = to.device
-        for v in transient:   # the protocol's state there starts afresh
+        for v in afresh:
             self.fill[v.op.name] = v.initializer
+        for a, b in pairs:
+            self._fill_from(a, b)
+            self._fill_from(b, a)
+        # One way: the global step comes back from its copy, not `begun`.
+        self._fill_from(mirrors.begun, mirrors.global_step)
+        self._ps0_state = {mirrors.global_step.op.name}
+        self._whole = mirrors.whole()
         # After an initialize or a restore: each copy from its primary.
-        self.copy_all = tf.group([self.fill[b.op.name] for _, b in pairs])
+        self.copy_all = tf.group(
+            [self.fill[b.op.name] for _, b in pairs] +
+            [self.fill[mirrors.begun.op.name]])
 
-    def after_restart(self, session, uninitialized: tf.Tensor) -> None:
+    def after_restart(self, session, uninitialized: tf.Tensor) -> bool:
         """Fills what a ps started again lost from the copies, where each
-        variable it lost has a live one (then nothing is restored).
+        variable it lost has a live one whole (then nothing is restored).
+        Returns whether ps 0's state was refilled: the step record then
+        starts afresh, as after a restore.
 
         uninitialized: string [n], the variables not set on the ps tasks.
         """
         missing = [m.decode() for m in session.run(uninitialized)]
         fills = self.ops_for(missing) if missing else None
+        ps0 = bool(self._ps0_state & set(missing))
+        if fills and ps0 and not session.run(self._whole):
+            logging.warning("ps 0 was lost inside a step's write: its "
+                            "copies on ps 1 are not whole")
+            return False
         if fills:
             session.run(fills)
             where = sorted({self.device[m] for m in missing
                             if m in self.device})
             logging.warning("refilled %s from the mirrors: nothing restored",
                             ", ".join(where))
+        return bool(fills) and ps0
+
+    def _fill_from(self, to: tf.Variable, source: tf.Variable) -> None:
+        with tf.device(to.device):
+            self.fill[to.op.name] = to.assign(source.read_value(),
+                                              read_value=False)
+        self.partner[to.op.name] = source.op.name
+        self.device[to.op.name] = to.device
 
     def ops_for(self, missing: list[str]) -> list | None:
         """The fills for `missing` (variable names), or None where one has

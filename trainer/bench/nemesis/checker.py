@@ -35,7 +35,10 @@ from trainer.sync import step_record
 
 REJOIN_SLACK_SECS = 10.0
 _RESTORED = re.compile(r"restored \S+ \(global step \d+\)")
-_LOST_INSIDE = "the last chief was lost inside a write"
+# What a chief logs before it restores because a write was cut short:
+# the chief lost inside one, or (with --ps_mirrors) ps 0.
+_LOST_INSIDE = ("the last chief was lost inside a write",
+                "ps 0 was lost inside a step's write")
 RECORD_FILE = step_record.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
@@ -106,12 +109,14 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
     for i, text in enumerate(chief_logs):
         seen = [p["step"] for p in map(progress_line.parse_progress_line,
                                        text.splitlines()) if p]
-        # A ps killed lost its variables: the restore takes the step back.
-        if not ps_killed and any(b < a for a, b in zip(seen, seen[1:])):
+        # A ps killed lost its variables, or a write was cut short: the
+        # restore then takes the step back.
+        excused = ps_killed or any(why in text for why in _LOST_INSIDE)
+        if not excused and any(b < a for a, b in zip(seen, seen[1:])):
             problems.append(f"the global step went back in the chief's "
                             f"log {i}")
         restored = _RESTORED.search(text)
-        if restored and _LOST_INSIDE not in text and not ps_killed:
+        if restored and not excused:
             problems.append(f"steps redone: a chief {restored.group(0)} "
                             f"(log {i})")
     return problems
@@ -119,11 +124,12 @@ def steps(logdir: pathlib.Path, chief_logs: list[str],
 
 def ps_killed(outcome, mirrored: bool = False) -> bool:
     """Whether a ps task was killed whose variables then existed nowhere
-    else: any ps, or with --ps_mirrors only ps 0 (another is refilled
-    from the copies, and a restore then is steps redone)."""
-    return any(what == schedule_lib.KILL and (
-        task == "ps0" or (task.startswith("ps") and not mirrored))
-        for _, _, task, what in outcome.history)
+    else: any ps, or with --ps_mirrors two of them (one alone is refilled
+    from the copies, and a restore then is steps redone, unless a write
+    was cut short, which the chief's log says)."""
+    killed = {task for _, _, task, what in outcome.history
+              if what == schedule_lib.KILL and task.startswith("ps")}
+    return len(killed) > (1 if mirrored else 0)
 
 
 def deposed(outcome) -> set[str]:
