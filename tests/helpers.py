@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from trainer.common import processes
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SHARED_MNIST = REPO.parent / "shared" / "mnist"
 
@@ -131,7 +133,12 @@ def interrupt_launch(args: list[str], when: str, timeout: float = 120
             assert process.poll() is None, "".join(lines)[-3000:]
             time.sleep(0.1)
         process.send_signal(signal.SIGINT)
-        status = process.wait(timeout=30)
+        # The launcher waits for the chief's stop (CHIEF_STOP_SECS at most).
+        try:
+            status = process.wait(timeout=processes.CHIEF_STOP_SECS + 15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still running after Ctrl-C:\n"
+                                 + "".join(lines)[-4000:]) from None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

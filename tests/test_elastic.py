@@ -304,7 +304,8 @@ def test_the_launcher_restarts_a_failed_worker_and_ctrl_c_saves(tmp_path,
         # new process came up on the same port; it joins again either way.
         wait_for(r"worker 1 \(localhost:\d+\) joined at step", count=2)
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 130
+        assert process.wait(
+            timeout=helpers.processes.CHIEF_STOP_SECS + 15) == 130
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
