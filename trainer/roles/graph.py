@@ -144,9 +144,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
             lock = chief_lock.ChiefLock(
                 shard_devices[0],
                 takeover.epoch_copy_device(config, cluster.num_ps))
-            with tf.device(shard_devices[0]):
-                epoch = tf.compat.v1.placeholder_with_default(
-                    tf.constant(-1, tf.int64), [], "chief_epoch")
+            epoch = lock.loop_epoch
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
                     num_train_examples, config.seed, config.batch_size,
@@ -165,8 +163,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.micro_batch_rows(),
                                            chief=k, lock=lock, epoch=epoch)
                 update = optim.ScheduledUpdate(config, train_steps)
-                mirrors = _mirrors(config, cluster.num_ps, flat, train_steps,
-                                   shared.global_step)
+                mirrors = _mirrors(config, cluster.num_ps, parts, train_steps)
                 step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
             else:
                 step_body = step_lib.WorkerStep(parts)
@@ -183,15 +180,16 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
     return g
 
 
-def _mirrors(config: TrainConfig, num_ps: int, flat, train_steps: int,
-             global_step):
+def _mirrors(config: TrainConfig, num_ps: int, parts: step_lib.StepParts,
+             train_steps: int):
     """--ps_mirrors' copies (trainer/sync/mirrors.py), with an optimizer
     of their own; None without the flag or with one ps."""
     if not config.ps_mirrors or num_ps < 2:
         return None
+    flat = parts.flat
     return mirrors_lib.Mirrors(flat.variables, flat.ps_indices, num_ps,
                                optim.ScheduledUpdate(config, train_steps),
-                               global_step)
+                               parts.shared.global_step)
 
 
 def _worker_handles(shared: state_lib.SharedState,

@@ -53,6 +53,9 @@ class ChiefLock:
             with tf.device(copy_device):
                 self.epoch_copy = _unsaved("mirror/chief_epoch", [])
         with tf.device(device):
+            # int64 [] feed: the epoch of the loop that writes (-1: none).
+            self.loop_epoch = tf.compat.v1.placeholder_with_default(
+                tf.constant(-1, tf.int64), [], "chief_epoch")
             self._claiming_ops()
 
     def guarded(self, epoch: tf.Tensor, write, refused, after=()):
