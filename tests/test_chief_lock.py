@@ -189,3 +189,34 @@ def test_a_spare_gives_what_it_built_or_raises_its_error():
 
     with pytest.raises(ValueError, match="no test set"):
         ThreadCall(fails, "spare-chief").result()
+
+
+def test_a_claims_beat_stops_only_once_the_chiefs_own_has_landed(
+        monkeypatch):
+    """A worker taking over beats from its claim until the chief's own
+    beat lands: a slow start between the two must not look like silence
+    (nemesis seed 622: a second takeover from a chief that was fine)."""
+    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    events = []
+
+    class Claim:
+        def handed_over(self):
+            events.append("handed over")
+
+    def beat():
+        events.append("beat")
+        if events.count("beat") < 3:   # ps 0 slow to answer at first
+            raise tf.errors.UnavailableError(None, None, "not yet")
+
+    with takeover.ChiefBeat(beat, Claim()):
+        deadline = time.monotonic() + 10
+        while events.count("beat") < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert events[:4] == ["beat", "beat", "beat", "handed over"]
+    assert events.count("handed over") == 1
+    events.clear()
+    with takeover.ChiefBeat(lambda: events.append("fails") or 1 / 0,
+                            Claim()):
+        time.sleep(0.1)
+    assert events[-1] == "handed over"   # at the stop, never before
+    assert events.count("handed over") == 1

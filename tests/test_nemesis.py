@@ -343,3 +343,28 @@ def test_the_table_counts_and_names_the_replay_of_a_failure():
     assert "schedule 4 failed: worker1 did not end" in text
     assert "replay: python -m trainer.nemesis --seed=4" in text
     assert "--seed=3" not in text
+
+
+def test_the_rejoin_clock_stands_still_while_the_chief_is_out(tmp_path):
+    """From a kill of the chief to the next `chief ready` (a takeover),
+    and from any other hit on it to its end, no worker can be taken in
+    (seed 622: two workers back just before the chief's kill)."""
+    import datetime
+    start = datetime.datetime(datetime.date.today().year, 11, 27, 10, 0, 0)
+    stamp = (start + datetime.timedelta(seconds=40)).strftime(
+        "I%m%d %H:%M:%S.000000")
+    (tmp_path / "worker1.0.log").write_text(
+        f"{stamp} 1 chief.py:54] chief ready at global step 120 of 300\n")
+    t0 = start.timestamp()
+    outcome = run_lib.Outcome(
+        tmp_path, None, {}, [(t0 + 5, 60, "worker0", "stop"),
+                             (t0 + 8, 60, "worker0", "end stop"),
+                             (t0 + 10, 113, "worker0", "kill"),
+                             (t0 + 30, 113, "worker0", "start")],
+        [], ended_at=t0 + 100, faults_in_effect={}, hung=False)
+    spans = checker._chief_out(outcome)
+    assert spans == [(t0 + 5, t0 + 8), (t0 + 10, t0 + 40)]
+    assert checker._merged([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    # Back at t0 + 9 with a bound of 20 s: 1 s before the kill, 30 s of
+    # no chief, so due 19 s after the new chief is ready.
+    assert checker._deadline(t0 + 9, 20, spans, t0 + 100) == t0 + 59

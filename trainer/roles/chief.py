@@ -35,14 +35,14 @@ class Chief(WorkerRole):
     def __init__(self, *args, taking_over=None, **kwargs):
         super().__init__(*args, as_chief=True, **kwargs)
         self.taking_over = taking_over
-        # sync/contributions (on ps 0) restarts from zero at every restore;
-        # its counts at each checkpoint this process saved, by global step
-        # (int64 [N, 2]: steps, examples), carry them over a restore.
+        # sync/contributions (on ps 0) restarts at every restore; its counts
+        # at each of our checkpoints (int64 [N, 2]) carry over a restore.
         self._counted_at_save = {}
         self._counted_before = None   # the counts at the restored step
         self.halt_reason = None       # why training ends early (halt)
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
+        self._claim = None            # a takeover's Claim, still beating
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
@@ -58,7 +58,8 @@ class Chief(WorkerRole):
             self.config), self.task.cluster.as_dict())
         with self._membership_watch(writer) as watch, \
                 self._round_deadlines(), takeover.ChiefBeat(
-                    lambda: self.session.run(self.g.lock.beat)):
+                    lambda: self.session.run(self.g.lock.beat), self._claim):
+            self._claim = None
             self._wait_for_workers(self.config.min_workers)
             outcome = progress.drive(
                 self._step_runner(logdir), self.callable(ops.eval_outputs),
@@ -273,10 +274,9 @@ class Chief(WorkerRole):
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
         # No restore where the ps tasks hold every variable and no write
-        # was cut short: they hold every step applied. (TensorFlow's
-        # SessionManager would restore over them, redoing steps.) A ps
-        # started again is refilled from the mirrors, where they are; a
-        # refilled ps 0's step record starts anew, as after a restore.
+        # was cut short (TensorFlow's SessionManager would restore over
+        # them). A ps started again is refilled from the mirrors, where
+        # they are; a refilled ps 0's step record starts anew.
         if not lost and ops.refill and ops.refill.after_restart(
                 self.session, ops.uninitialized):
             self.session.run(ops.set_record_from)
@@ -292,8 +292,8 @@ class Chief(WorkerRole):
                                 "the ps tasks; restoring the newest "
                                 "checkpoint")
             step = self._initialize_or_restore(logdir)
-        if self.taking_over:  # our own beat starts within seconds
-            self.taking_over.claim.handed_over()
+        if self.taking_over:  # its beat stops once ours lands (ChiefBeat)
+            self._claim = self.taking_over.claim
         self.taking_over = None
         coord = self.g.coord
         self.session.run(coord.set_storage_word, {

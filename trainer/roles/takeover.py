@@ -113,17 +113,34 @@ def deposed_by(session, lock, epoch: int) -> int | None:
 
 
 class ChiefBeat(BackgroundThread):
-    """The chief's beat: beat() every BEAT_SECS while the chief runs."""
+    """The chief's beat: beat() every BEAT_SECS while the chief runs.
 
-    def __init__(self, beat: Callable[[], None]):
+    claim: the Claim of a worker taking over, or None. Its beat stops
+    only once this one has landed (or this one stops): between the two,
+    a slow host's start (the summary writer, the callables) could leave
+    the record silent for --worker_timeout_secs, and another worker
+    would take over from a chief that is fine.
+    """
+
+    def __init__(self, beat: Callable[[], None], claim=None):
         super().__init__("chief-beat", BEAT_SECS, BEAT_SECS * 4)
-        self._beat = beat
+        self._beat, self._claim = beat, claim
 
     def run_once(self) -> None:
         try:
             self._beat()
         except Exception:  # noqa: BLE001 (ps 0 away: the watchdogs judge)
-            pass
+            return
+        self._hand_over()
+
+    def stop(self) -> None:
+        super().stop()
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.handed_over()
 
 
 @dataclasses.dataclass

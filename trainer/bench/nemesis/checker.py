@@ -43,6 +43,8 @@ RECORD_FILE = step_record.RECORD_FILE
 # What a restarted worker logs once it is up and asks to be taken in:
 # its return, for the rejoin check (trainer/roles/worker.py).
 _ASKED = "asked the chief to take it in"
+# What a chief logs once it trains (trainer/roles/chief.py).
+_READY = "chief ready at global step"
 # What a chief logs as it exits, another worker having taken over its
 # work while it was cut off, frozen or starved (trainer/roles/chief.py).
 DEPOSED = "took over the chief's work while this chief was out of reach"
@@ -170,14 +172,15 @@ def rejoined(outcome, record: np.ndarray | None,
     return is the end of a stop, cut, slow or starve, or a restarted
     process asking to be taken in (its import and graph take time that
     is not the protocol's). The bound's clock stands still while a ps
-    fault is in effect: then no worker can be taken in (seed 507)."""
+    fault is in effect, and from a hit on the chief until a chief is
+    ready again: then no worker can be taken in (seeds 507, 622)."""
     if record is None:
         return []
     problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
-    ps_out = _ps_faulted(outcome.history)
+    paused = _merged(_ps_faulted(outcome.history) + _chief_out(outcome))
     for when, task, what in returns(outcome):
         k = int(task[len("worker"):])
-        deadline = _deadline(when, bound, ps_out, outcome.ended_at)
+        deadline = _deadline(when, bound, paused, outcome.ended_at)
         if deadline > outcome.ended_at or any(
                 t == task and when < at <= deadline and _is_hit(w)
                 for at, _, t, w in outcome.history):
@@ -246,13 +249,48 @@ def _ps_faulted(history: list) -> list[tuple[float, float]]:
     return spans + [(t, float("inf")) for t in since.values()]
 
 
-def _deadline(when: float, bound: float, ps_out: list,
+def _chief_out(outcome) -> list[tuple[float, float]]:
+    """(from, to) wall times while the schedule's chief could take no one
+    in: from a kill to the next `chief ready` line in any worker's log (a
+    worker's takeover, or the chief's restart); from any other hit to its
+    end. After a takeover the hit task may no longer be the chief: the
+    clock then stands still for nothing, which only makes the check
+    looser."""
+    ready = sorted(t for log in outcome.folder.glob("worker*.log")
+                   for t in _times_of(log, _READY))
+    spans, since = [], None
+    for when, _, task, what in outcome.history:
+        if task != schedule_lib.CHIEF:
+            continue
+        if what == schedule_lib.KILL:
+            spans.append((when, next((t for t in ready if t > when),
+                                     float("inf"))))
+        elif _is_hit(what):
+            since = when if since is None else since
+        elif what.startswith("end ") and since is not None:
+            spans.append((since, when))
+            since = None
+    return spans + ([(since, float("inf"))] if since is not None else [])
+
+
+def _merged(spans: list) -> list[tuple[float, float]]:
+    """The union of spans, as spans that do not overlap."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _deadline(when: float, bound: float, paused: list,
               ended_at: float) -> float:
-    """when + bound, plus the time inside ps_out from `when` on (the
+    """when + bound, plus the time inside `paused` from `when` on (the
     deadline once past ended_at is past it: the caller skips it)."""
     deadline = when + bound
     while deadline <= ended_at:
-        later = when + bound + _overlap(ps_out, when, deadline)
+        later = when + bound + _overlap(paused, when, deadline)
         if later <= deadline:
             break
         deadline = later
@@ -272,20 +310,25 @@ _ABSL_TIME = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)")
 
 
 def _asked_at(log: pathlib.Path) -> float | None:
-    """The wall time of the log's 'asked the chief' line (absl's local
+    """The wall time of the log's first 'asked the chief' line."""
+    return next(iter(_times_of(log, _ASKED)), None)
+
+
+def _times_of(log: pathlib.Path, text: str) -> list[float]:
+    """The wall times of the log's lines holding `text` (absl's local
     time; the year is this one)."""
     if not log.exists():
-        return None
+        return []
+    found = []
     for line in log.read_text(errors="replace").splitlines():
-        if _ASKED in line:
-            match = _ABSL_TIME.match(line)
-            if match:
-                month, day, clock = match.groups()
-                stamp = datetime.datetime.strptime(
-                    f"{datetime.date.today().year}-{month}-{day} {clock}",
-                    "%Y-%m-%d %H:%M:%S.%f")
-                return stamp.timestamp()
-    return None
+        match = _ABSL_TIME.match(line) if text in line else None
+        if match:
+            month, day, clock = match.groups()
+            stamp = datetime.datetime.strptime(
+                f"{datetime.date.today().year}-{month}-{day} {clock}",
+                "%Y-%m-%d %H:%M:%S.%f")
+            found.append(stamp.timestamp())
+    return found
 
 
 def _step_at(steps_seen: list, when: float) -> int:
