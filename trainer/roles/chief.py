@@ -42,32 +42,35 @@ class Chief(WorkerRole):
         self.halt_reason = None       # why training ends early (halt)
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
-        self._claim = None            # a takeover's Claim, still beating
+        self._claimed = False         # the role is ours: we beat
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
         ops = self.g.chief
         logdir = pathlib.Path(self.config.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        step = self._claim_and_start(logdir)
-        self.session.run(ops.mark_ready_op)
-        logging.info("chief ready at global step %d of %d", step,
-                     self.train_steps)
-        writer = summaries.summary_writer(str(logdir), self.g.graph)
-        summaries.write_run_card(writer, step, dataclasses.asdict(
-            self.config), self.task.cluster.as_dict())
-        with self._membership_watch(writer) as watch, \
-                self._round_deadlines(), takeover.ChiefBeat(
-                    lambda: self.session.run(self.g.lock.beat), self._claim):
-            self._claim = None
-            self._wait_for_workers(self.config.min_workers)
-            outcome = progress.drive(
-                self._step_runner(logdir), self.callable(ops.eval_outputs),
-                lambda at: self._save(logdir, at), self.config, step,
-                self.train_steps, writer, slices=lambda: watch.slices)
-            # Every worker, in or out, learns that training is over.
-            self.session.run(ops.end_op)
-            self._end_late_joiners(watch)
+        # Our beat runs from the claim on, and a takeover's claim beats
+        # until ours lands: a start slow on a starved host (a restore, the
+        # summary writer, the callables) must not look like a lost chief.
+        self._claimed = False
+        with takeover.ChiefBeat(self._beat, self.taking_over and
+                                self.taking_over.claim):
+            step = self._claim_and_start(logdir)
+            writer = self._ready(step, logdir)
+            with self._membership_watch(writer) as watch, \
+                    self._round_deadlines():
+                self._wait_for_workers(self.config.min_workers)
+                outcome = progress.drive(
+                    self._step_runner(logdir),
+                    self.callable(ops.eval_outputs),
+                    lambda at: self._save(logdir, at), self.config, step,
+                    self.train_steps, writer, slices=lambda: watch.slices)
+                # Every worker, in or out, learns that training is over.
+                self.session.run(ops.end_op)
+                joined = {r["worker"] for r in watch.records}
+                ending.end_late_joiners(
+                    self.session, ops.end_op, self._absorb, self.task.cluster,
+                    joined | {self.k, self._gone})
         watch.write_last_slices()
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
@@ -98,6 +101,16 @@ class Chief(WorkerRole):
                 step_breakdown))
         ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
+
+    def _ready(self, step: int, logdir: pathlib.Path):
+        """Tells the workers to go; returns the run's summary writer."""
+        self.session.run(self.g.chief.mark_ready_op)
+        logging.info("chief ready at global step %d of %d", step,
+                     self.train_steps)
+        writer = summaries.summary_writer(str(logdir), self.g.graph)
+        summaries.write_run_card(writer, step, dataclasses.asdict(
+            self.config), self.task.cluster.as_dict())
+        return writer
 
     def _membership_watch(self, writer) -> membership.MembershipWatch:
         ops, handles = self.g.chief, self.g.handles
@@ -141,27 +154,6 @@ class Chief(WorkerRole):
         """Acts on the queued events now; the roster after (bool [N])."""
         ops = self.g.chief
         return self.session.run(ops.absorb_op, {ops.epoch: self.epoch})
-
-    def _end_late_joiners(self, watch) -> None:
-        """Declared workers that never joined (a short run can end before
-        they are up) get up to FINISH_WAIT_SECS to join, and are then
-        handed the end at once, so that they exit like the others."""
-        ops, workers = self.g.chief, self.task.cluster.num_workers
-        joined = {r["worker"] for r in watch.records}
-        never = {k for k in range(workers)
-                 if k not in joined and k not in (self.k, self._gone)}
-        deadline = time.monotonic() + ending.FINISH_WAIT_SECS
-        while never and time.monotonic() < deadline:
-            roster = self._absorb()
-            came = {k for k in never if roster[k]}
-            if came:
-                self.session.run(ops.end_op)
-                never -= came
-            else:
-                time.sleep(POLL_SECS)
-        if never:
-            logging.warning("never joined: %s", ", ".join(
-                self.task.cluster.describe("worker", k) for k in never))
 
     def halt(self, reason: str) -> None:
         """Ends training at the next step boundary with a checkpoint, then
@@ -273,6 +265,7 @@ class Chief(WorkerRole):
             self.epoch, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
+        self._claimed = True
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
         # them). A ps started again is refilled from the mirrors, where
@@ -292,14 +285,17 @@ class Chief(WorkerRole):
                                 "the ps tasks; restoring the newest "
                                 "checkpoint")
             step = self._initialize_or_restore(logdir)
-        if self.taking_over:  # its beat stops once ours lands (ChiefBeat)
-            self._claim = self.taking_over.claim
         self.taking_over = None
         coord = self.g.coord
         self.session.run(coord.set_storage_word, {
             coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
+
+    def _beat(self) -> None:
+        if not self._claimed:   # not yet ours: ChiefBeat tries again
+            raise RuntimeError("the chief's role is not claimed yet")
+        self.session.run(self.g.lock.beat)
 
     def _log_start(self, step: int, logdir: pathlib.Path) -> None:
         me = self.task.cluster.describe("worker", self.k)

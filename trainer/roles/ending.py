@@ -42,3 +42,25 @@ def shut_down_ps(session, ops, cluster, failed: bool = False) -> None:
         except tf.errors.OpError as e:
             logging.warning("could not tell %s to exit: %s",
                             cluster.describe("ps", i), error_summary(e))
+
+
+def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
+    """Declared workers that never joined (a short run can end before
+    they are up) get up to FINISH_WAIT_SECS to join, and are then handed
+    the end at once, so that they exit like the others.
+
+    absorb: () -> the roster after the queued joins (bool [N]); seen: the
+    workers that joined, ourselves and the chief we took over from."""
+    never = set(range(cluster.num_workers)) - seen
+    deadline = time.monotonic() + FINISH_WAIT_SECS
+    while never and time.monotonic() < deadline:
+        roster = absorb()
+        came = {k for k in never if roster[k]}
+        if came:
+            session.run(end_op)
+            never -= came
+        else:
+            time.sleep(POLL_SECS)
+    if never:
+        logging.warning("never joined: %s", ", ".join(
+            cluster.describe("worker", k) for k in never))
