@@ -220,3 +220,24 @@ def test_a_claims_beat_stops_only_once_the_chiefs_own_has_landed(
         time.sleep(0.1)
     assert events[-1] == "handed over"   # at the stop, never before
     assert events.count("handed over") == 1
+
+
+def test_no_beat_before_the_role_is_claimed(monkeypatch):
+    """Until the chief has claimed its role (ours() is false) it does not
+    beat, and a takeover's claim goes on beating for it."""
+    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    events, claimed = [], []
+
+    class Claim:
+        def handed_over(self):
+            events.append("handed over")
+
+    with takeover.ChiefBeat(lambda: events.append("beat"), Claim(),
+                            ours=lambda: bool(claimed)):
+        time.sleep(0.2)
+        assert events == []
+        claimed.append(True)
+        deadline = time.monotonic() + 10
+        while "handed over" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert events[:2] == ["beat", "handed over"]

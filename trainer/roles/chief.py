@@ -54,7 +54,8 @@ class Chief(WorkerRole):
         # summary writer, the callables) must not look like a lost chief.
         self._claimed = False
         with takeover.ChiefBeat(self._beat, self.taking_over and
-                                self.taking_over.claim):
+                                self.taking_over.claim,
+                                ours=lambda: self._claimed):
             step = self._claim_and_start(logdir)
             writer = self._ready(step, logdir)
             with self._membership_watch(writer) as watch, \
@@ -293,8 +294,6 @@ class Chief(WorkerRole):
         return step
 
     def _beat(self) -> None:
-        if not self._claimed:   # not yet ours: ChiefBeat tries again
-            raise RuntimeError("the chief's role is not claimed yet")
         self.session.run(self.g.lock.beat)
 
     def _log_start(self, step: int, logdir: pathlib.Path) -> None:

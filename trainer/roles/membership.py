@@ -31,7 +31,7 @@ import numpy as np
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
 from trainer.roles.takeover import port_refuses
-from trainer.roles.watchdog import BoundedRead
+from trainer.roles.watchdog import READ_DEADLINE_SECS, BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
 CHECK_SECS = 0.5
@@ -65,7 +65,6 @@ class MembershipWatch(BackgroundThread):
         FileWriter for membership scalars, or None. chief: the chief's
         worker index (never reported lost)."""
         super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
-        self._read = read
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
@@ -86,7 +85,13 @@ class MembershipWatch(BackgroundThread):
         """The last round's slices, at the run's end, once stopped: a
         short run may end between two checks, or while slow reads kept
         every check from writing."""
-        state = _Round(**self._read())
+        try:
+            state = self._bounded_read()
+        except TimeoutError:
+            logging.warning("the last round's slices are not in TensorBoard:"
+                            " ps 0 did not answer within %.0f s",
+                            READ_DEADLINE_SECS)
+            return
         if state.step != self._logged_step:
             self._note_slices(state, always=True)
 

@@ -32,6 +32,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles.background import BackgroundThread
+from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
 BEAT_SECS = 0.5
@@ -122,11 +123,16 @@ class ChiefBeat(BackgroundThread):
     would take over from a chief that is fine.
     """
 
-    def __init__(self, beat: Callable[[], None], claim=None):
+    def __init__(self, beat: Callable[[], None], claim=None,
+                 ours: Callable[[], bool] = lambda: True):
+        """ours() says whether the chief's role is claimed yet: until it
+        is, nothing beats but the takeover's claim."""
         super().__init__("chief-beat", BEAT_SECS, BEAT_SECS * 4)
-        self._beat, self._claim = beat, claim
+        self._beat, self._claim, self._ours = beat, claim, ours
 
     def run_once(self) -> None:
+        if not self._ours():
+            return
         try:
             self._beat()
         except Exception:  # noqa: BLE001 (ps 0 away: the watchdogs judge)
@@ -241,9 +247,10 @@ class Warmed:
 
 
 def epoch_copy_device(config, num_ps: int) -> str | None:
-    """Where the chief's epoch has a copy: ps 1 with --ps_mirrors."""
-    return (devices.ps_device(1) if config.ps_mirrors and num_ps > 1
-            else None)
+    """Where the chief's epoch has a copy: with --ps_mirrors, where ps 0's
+    other state has its copies."""
+    return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
+            and num_ps > 1 else None)
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:

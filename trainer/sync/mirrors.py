@@ -31,6 +31,12 @@ import tensorflow as tf
 from trainer.learning import optim
 
 COPY_PREFIX = "mirror/"
+PS0_COPIES = 1   # the ps task that keeps the copies of ps 0's state
+
+
+def copy_task(ps: int, num_ps: int) -> int:
+    """The ps task that keeps the copies of ps `ps`'s shards."""
+    return (ps + 1) % num_ps
 
 
 class Mirrors:
@@ -44,11 +50,12 @@ class Mirrors:
         self.primaries, self.update = primaries, update
         self.copies = []
         for v, p in zip(primaries, ps_indices):
-            with tf.compat.v1.device(f"/job:ps/task:{(p + 1) % num_ps}"):
+            with tf.compat.v1.device(
+                    f"/job:ps/task:{copy_task(p, num_ps)}"):
                 self.copies.append(_copy(v.op.name.split("/")[-1], v,
                                          trainable=True))
         self.global_step = global_step
-        with tf.compat.v1.device("/job:ps/task:1"):
+        with tf.compat.v1.device(f"/job:ps/task:{PS0_COPIES}"):
             self.step_copy = _copy("global_step", global_step)
             self.begun = _copy("begun", global_step)
 
@@ -132,7 +139,7 @@ class Refill:
             self._fill_from(b, a)
         # One way: the global step comes back from its copy, not `begun`.
         self._fill_from(mirrors.begun, mirrors.global_step)
-        self._ps0_state = {mirrors.global_step.op.name}
+        self._ps0_step = mirrors.global_step.op.name
         self._whole = mirrors.whole()
         # After an initialize or a restore: each copy from its primary.
         self.copy_all = tf.group(
@@ -149,7 +156,7 @@ class Refill:
         """
         missing = [m.decode() for m in session.run(uninitialized)]
         fills = self.ops_for(missing) if missing else None
-        ps0 = bool(self._ps0_state & set(missing))
+        ps0 = self._ps0_step in missing
         if fills and ps0 and not session.run(self._whole):
             logging.warning("ps 0 was lost inside a step's write: its "
                             "copies on ps 1 are not whole")
