@@ -22,6 +22,18 @@ def free_ports(count: int) -> list[int]:
     return launcher.free_ports("localhost", count)
 
 
+def wait_until_listening(address: str, timeout: float) -> None:
+    """Waits (at most `timeout` s) until host:port accepts connections."""
+    import time
+    from trainer.cluster import ports
+    deadline = time.monotonic() + timeout
+    while ports.answer(address, 1.0) != ports.OPEN:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listens on {address} after "
+                                 f"{timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def real_mnist_dir() -> pathlib.Path | None:
     """The full MNIST copy, from $MNIST_DATA_DIR or ../shared/mnist."""
     for candidate in (os.environ.get("MNIST_DATA_DIR"), SHARED_MNIST):

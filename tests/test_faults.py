@@ -235,3 +235,56 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_one_before(
     assert second.returncode == 0, second.stdout[-3000:]
     assert f"cannot restore {logdir}/model.ckpt-{STEPS}" in second.stdout
     assert "(global step 250)" in second.stdout
+
+
+def test_ps_killed_the_run_goes_on_without_it_then_takes_it_back(
+        tmp_path, data, reference):
+    """--ps_mirrors, 2 ps: ps 1 killed at step 120 or later; the run goes
+    on while it is down, its shards served by their copies on ps 0, with
+    nothing restored. Started again, ps 1 is refilled and serves again;
+    the run ends as the one without a fault."""
+    c = helpers.ManualCluster(
+        tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
+        f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
+        "--worker_timeout_secs=20")
+    try:
+        for i in (0, 1):
+            c.start("ps", i)
+        for k in (0, 1):
+            c.start("worker", k)
+        c.wait_for("worker0", r"step 120/")
+        # With worker 1 frozen and equal slices, the chief waits for its
+        # push, outside any write (a write cut short is restored).
+        os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
+        time.sleep(2)
+        c.kill("ps1")
+        os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
+        down_at = int(c.wait_for(
+            "worker0", r"goes on from the state on the ps tasks at step "
+                       r"(\d+)").group(1))
+        assert down_at >= 120
+        c.wait_for("worker1", r"ps 1 is down: building the graph")
+        # Both workers train while ps 1 is down: 40 more steps, then the
+        # chief is held while ps 1 starts again, so that the run cannot
+        # end before it is taken back.
+        c.wait_for("worker0", rf"step {(down_at // 20 + 2) * 20}/")
+        os.killpg(c.processes["worker0"].pid, signal.SIGSTOP)
+        assert c.processes["ps1"].poll() is not None
+        c.start("ps", 1)
+        helpers.wait_until_listening(c.ps_hosts.split(",")[1], 60)
+        os.killpg(c.processes["worker0"].pid, signal.SIGCONT)
+        c.wait_for("worker0", r"refilled /job:ps/task:1 from the mirrors: "
+                              r"nothing restored")
+        back_at = int(c.wait_for(
+            "worker0", r"goes on from the state on the ps tasks at step \d+"
+                       r"[\s\S]*goes on from the state on the ps tasks at "
+                       r"step (\d+)").group(1))
+        assert back_at >= down_at + 40
+        assert [c.wait(n) for n in ("worker0", "worker1", "ps0", "ps1")] \
+            == [0] * 4
+        log = c.log("worker0")
+        assert not re.search(r"restored \S+ \(global step", log)
+        assert "did not average the global batch exactly once" not in log
+        assert_same_as_reference(tmp_path / "logs", reference)
+    finally:
+        c.close()

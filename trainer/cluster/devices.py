@@ -17,8 +17,13 @@ def worker_device(index: int) -> str:
     return f"/job:worker/task:{index}"
 
 
-def session_config(config: TrainConfig, task: Task) -> tf.compat.v1.ConfigProto:
+def session_config(config: TrainConfig, task: Task,
+                   ps_tasks: list[int] | None = None
+                   ) -> tf.compat.v1.ConfigProto:
     """Thread counts and device filters for this task's server and session.
+
+    ps_tasks: the ps tasks a worker's session uses (None: every one); a
+    session waits for each of them to answer before its first run.
 
     Thread pools are per process and sized by the server's config, so the
     same proto goes to tf.distribute.Server and tf.compat.v1.Session. Several
@@ -36,7 +41,9 @@ def session_config(config: TrainConfig, task: Task) -> tf.compat.v1.ConfigProto:
     else:
         # A worker talks to the ps tasks and itself, never to other workers,
         # so it need not wait for them to start.
-        proto.device_filters.extend(["/job:ps", worker_device(task.task_index)])
+        proto.device_filters.extend(
+            ["/job:ps"] if ps_tasks is None else map(ps_device, ps_tasks))
+        proto.device_filters.append(worker_device(task.task_index))
     return proto
 
 

@@ -20,6 +20,7 @@ different number of ps tasks and a checkpoint of another model is refused
 by name and shape.
 """
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -227,15 +228,24 @@ class FlatParams(FlatLayout):
     on ps task `i` (see `devices.variable_placement`).
     """
 
-    def __init__(self, layout: list[list]):
+    def __init__(self, layout: list[list],
+                 elsewhere: dict[int, tuple[str, str]] | None = None):
+        """elsewhere: ps index -> (name, device) of the variable that
+        serves its shard instead of `params/shard_<i>` (a copy, while that
+        ps is down: trainer/sync/mirrors.py)."""
         super().__init__(layout)
         logging.info("parameters: %s", self.describe())
-        self.variables = [
-            tf.compat.v1.get_variable(
-                f"params/shard_{i}", [size], tf.float32,
-                initializer=_shard_initializer(pieces), use_resource=True)
-            for i, size, pieces in zip(self.ps_indices, self.sizes,
-                                       self.shards)]
+        elsewhere = elsewhere or {}
+        self.variables = []
+        for i, size, pieces in zip(self.ps_indices, self.sizes, self.shards):
+            name, device = elsewhere.get(i, (f"params/shard_{i}", None))
+            # (device(None) would clear the placement around us.)
+            with (tf.compat.v1.device(device) if device
+                  else contextlib.nullcontext()):
+                self.variables.append(tf.compat.v1.get_variable(
+                    name, [size], tf.float32,
+                    initializer=_shard_initializer(pieces),
+                    use_resource=True))
 
     def saveables(self, slot_names: dict[str, Callable] | None = None
                   ) -> list[saveable_object.SaveableObject]:

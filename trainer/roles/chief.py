@@ -19,6 +19,7 @@ from trainer.observe import tracing
 from trainer.roles import deadlines
 from trainer.roles import ending
 from trainer.roles import membership
+from trainer.roles import serving
 from trainer.roles import takeover
 from trainer.roles.lifecycle import POLL_SECS, WorkerRole, poll_until, token_of
 from trainer.saving import checkpoints
@@ -43,6 +44,7 @@ class Chief(WorkerRole):
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
         self._claimed = False         # the role is ours: we beat
+        self._serve_again = False     # the ps done without is back
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
@@ -59,7 +61,7 @@ class Chief(WorkerRole):
             step = self._claim_and_start(logdir)
             writer = self._ready(step, logdir)
             with self._membership_watch(writer) as watch, \
-                    self._round_deadlines():
+                    self._round_deadlines(), self._down_watch():
                 self._wait_for_workers(self.config.min_workers)
                 outcome = progress.drive(
                     self._step_runner(logdir),
@@ -127,6 +129,17 @@ class Chief(WorkerRole):
             self.task.cluster, self.config, writer,
             on_unreachable=self._on_ps0_silent, chief=self.k)
 
+    def _down_watch(self):
+        """While a ps is done without: halts at a step boundary once it
+        answers again, to connect with it (serving.py)."""
+        if self.g.ps_down is None:
+            return contextlib.nullcontext()
+
+        def back():
+            self._serve_again = True
+            self.session.run(self.g.chief.halt_op)
+        return serving.DownWatch(self.task, self.g.ps_down, back)
+
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
         ops = self.g.chief
@@ -185,6 +198,11 @@ class Chief(WorkerRole):
                     return out
                 start = int(out["next_token"][0])
             self._check_still_chief(start)
+            if self._serve_again:
+                self._serve_again = False
+                raise serving.ServeAgain(
+                    f"ps {self.g.ps_down} answers again: halted at step "
+                    f"{start} to take it back")
             members = int(self.session.run(self.g.chief.roster).sum())
             reason = self.halt_reason or (
                 f"{members} worker(s) left, fewer than --min_workers="
@@ -269,12 +287,8 @@ class Chief(WorkerRole):
         self._claimed = True
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
-        # them). A ps started again is refilled from the mirrors, where
-        # they are; a refilled ps 0's step record starts anew.
-        if not lost and ops.refill and ops.refill.after_restart(
-                self.session, ops.uninitialized):
-            self.session.run(ops.set_record_from)
-        if not lost and not len(self.session.run(ops.uninitialized)):
+        # them): serving.fill_what_was_lost says how.
+        if not lost and serving.fill_what_was_lost(self.session, ops):
             step = int(self.session.run(self.g.handles.global_step))
             # results.json counts this chief's steps only.
             self._counted_before = -self.session.run(ops.contributions)

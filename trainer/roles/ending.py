@@ -35,7 +35,7 @@ def collect_reports(session, ops, cluster, chief: int) -> dict:
 def shut_down_ps(session, ops, cluster, failed: bool = False) -> None:
     """Tells every ps task to exit (with status 1 if the run failed)."""
     options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
-    for i, op in enumerate(ops.shutdown_ops):
+    for i, op in ops.shutdown_ops:
         try:
             session.run(op, {ops.shutdown_status: int(failed)},
                         options=options)

@@ -69,6 +69,7 @@ class ChiefOps:
     init_op: tf.Operation
     uninitialized: tf.Tensor          # string [n]: global variables not set
     transient_init_op: tf.Operation   # sync state a restore does not cover
+    transient_inits: dict             # name -> its initializer, each
     start_op: tf.Operation            # REJOIN to every worker
     mark_ready_op: tf.Operation       # tells the workers to go
     absorb_op: tf.Tensor              # queued joins in; roster bool [N]
@@ -99,7 +100,8 @@ class ChiefOps:
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
-    shutdown_ops: list                # one enqueue per ps: tells it to exit
+    shutdown_ops: list                # (ps, enqueue) per ps serving: tells
+                                      # it to exit
     refill: object = None             # sync/mirrors.Refill; None: no copies
 
 
@@ -116,14 +118,20 @@ class WorkerGraph:
     handles: WorkerHandles
     chief: ChiefOps | None
     lock: chief_lock.ChiefLock  # the chief claims it at start, and beats
+    ps_down: int | None = None  # the ps it does without (its shards are
+                                # served by their copies), or None
 
 
 def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                  num_test_examples: int, train_steps: int,
-                 as_chief: bool | None = None) -> WorkerGraph:
+                 as_chief: bool | None = None,
+                 ps_down: int | None = None) -> WorkerGraph:
     """The graph of worker `task.task_index`: the chief's (worker 0's by
-    default; any worker's that takes over its work), or another's."""
+    default; any worker's that takes over its work), or another's.
+    ps_down: a ps this graph does without, its shards served by their
+    copies (--ps_mirrors; never ps 0), or None."""
     cluster, k = task.cluster, task.task_index
+    num_ps = cluster.num_ps
     as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
     with graph.as_default():
@@ -131,11 +139,15 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                         cluster.num_ps)
         with tf.compat.v1.device(devices.variable_placement(cluster.num_ps,
                                                             k)):
-            flat = params_lib.FlatParams(layout)
-            shard_devices = [devices.ps_device(i) for i in flat.ps_indices]
+            flat = params_lib.FlatParams(
+                layout, mirrors_lib.served_by_copies(ps_down, num_ps))
+            shard_devices = [
+                devices.ps_device(mirrors_lib.serving_task(i, ps_down, num_ps))
+                for i in flat.ps_indices]
             shared = state_lib.SharedState(
                 cluster.num_workers, flat.sizes, shard_devices, train_steps,
-                fixed_point.DTYPE if config.deterministic else tf.float32)
+                fixed_point.DTYPE if config.deterministic else tf.float32,
+                ps_down)
             turns = pull_turns_lib.PullTurns(
                 cluster.num_workers, shard_devices, config.ordered_pulls)
             coord = coordination.RunCoordination(
@@ -143,7 +155,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 chief=k if as_chief else 0)
             lock = chief_lock.ChiefLock(
                 shard_devices[0],
-                takeover.epoch_copy_device(config, cluster.num_ps))
+                takeover.epoch_copy_device(config, num_ps, ps_down))
             epoch = lock.loop_epoch
             with tf.device(devices.worker_device(k)):
                 trainset = batches.InGraphTrainSet(
@@ -163,19 +175,20 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.micro_batch_rows(),
                                            chief=k, lock=lock, epoch=epoch)
                 update = optim.ScheduledUpdate(config, train_steps)
-                mirrors = _mirrors(config, cluster.num_ps, parts, train_steps)
+                mirrors = (_mirrors(config, num_ps, parts, train_steps)
+                           if ps_down is None else None)
                 step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
             else:
                 step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
                 shared, step_body, start_token, num_steps, train_steps,
                 as_chief, config.min_workers, lambda: lock.current(epoch))
-            chief = (_chief_ops(config, cluster.num_ps, flat, rule, coord,
+            chief = (_chief_ops(config, num_ps, flat, rule, coord,
                                 update.optimizer, num_test_examples,
                                 mirrors) if as_chief else None)
             g = WorkerGraph(graph, coord, trainset, start_token, num_steps,
                             loop_outputs, _worker_handles(shared, coord, k),
-                            chief, lock)
+                            chief, lock, ps_down)
         graph.finalize()
     return g
 
@@ -251,6 +264,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(transient),
+        transient_inits={v.op.name: v.initializer for v in transient},
         refill=(mirrors_lib.Refill(mirrors, pairs,
                                    transient + [shared.dropped])
                 if mirrors else None),
@@ -273,5 +287,6 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         set_record_from=set_record_from,
         stop_reason_in=stop_reason_in,
         stop_op=stop_op, shutdown_status=shutdown_status,
-        shutdown_ops=coord.shutdown_ops(num_ps, devices.ps_device,
-                                        shutdown_status))
+        shutdown_ops=coord.shutdown_ops(
+            [i for i in range(num_ps) if i != shared.ps_down_here],
+            devices.ps_device, shutdown_status))

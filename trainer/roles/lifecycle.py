@@ -18,6 +18,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
+from trainer.roles import serving
 from trainer.roles import takeover
 from trainer.roles.background import ThreadCall
 from trainer.roles import graph as worker_graph
@@ -104,26 +105,27 @@ class WorkerRole(abc.ABC):
            coordination's start_op); another worker waits for the chief's
            handshake and joins (worker.py).
         """
-        # Saver.save and .restore build nothing here, but look at the
-        # default graph to decide between graph and eager mode.
-        with self.g.graph.as_default():
-            while True:
+        while True:
+            try:
                 try:
-                    try:
-                        self._connect()
+                    self._connect()
+                    # Saver.save and .restore build nothing here, but look
+                    # at the default graph to decide between graph and
+                    # eager mode.
+                    with self.g.graph.as_default():
                         self.run_connected()
-                        return
-                    except RunFailed:
-                        raise
-                    except Exception as e:  # noqa: BLE001 (re-raised below)
-                        self._check_reconnectable(e)
-                except RunFailed as e:
-                    raise RunFailed(self.with_step(str(e))) from None
-                except RunEnded as e:
-                    logging.warning(
-                        "the run ended at step %d, its last, while this "
-                        "worker was away; nothing is left to do", e.args[0])
                     return
+                except RunFailed:
+                    raise
+                except Exception as e:  # noqa: BLE001 (re-raised below)
+                    self._check_reconnectable(e)
+            except RunFailed as e:
+                raise RunFailed(self.with_step(str(e))) from None
+            except RunEnded as e:
+                logging.warning(
+                    "the run ended at step %d, its last, while this "
+                    "worker was away; nothing is left to do", e.args[0])
+                return
 
     def with_step(self, reason: str) -> str:
         """`reason`, naming the step this worker was at (not the chief's)."""
@@ -133,12 +135,27 @@ class WorkerRole(abc.ABC):
         return reason + suffix
 
     def _connect(self) -> None:
-        wait_for_ps(self.task, self.config.startup_timeout_secs)
+        timeout = self.config.startup_timeout_secs
+        down = None
+        if serving.mirrored(self.config, self.task):
+            wait_for_ps(self.task, timeout, only=[0])
+            down = serving.choose(self.server.target, self.task, self.config,
+                                  self.g.chief is not None)
+        if down != self.g.ps_down:
+            self._warmed = None
+            self.g = serving.rebuild(self.task, self.g, down, lambda d: (
+                worker_graph.build_worker(
+                    self.config, self.task, len(self.mnist.train_labels),
+                    max(len(self.mnist.test_labels), 1), self.train_steps,
+                    self.g.chief is not None, d)))
+        wait_for_ps(self.task, timeout,
+                    only=serving.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
         self._warm_loop = warmed
         self.session = warmed.session if warmed else tf.compat.v1.Session(
             self.server.target, graph=self.g.graph,
-            config=devices.session_config(self.config, self.task))
+            config=devices.session_config(
+                self.config, self.task, serving.ps_tasks(self.task, down)))
         self.g.trainset.initialize(self.session, self.mnist.train_images,
                                    self.mnist.train_labels)
         if self.g.chief:
@@ -163,6 +180,10 @@ class WorkerRole(abc.ABC):
                 "(the chief counted us out meanwhile)", self.k, outage)
             self.close_session()
             self.last_progress = time.monotonic()
+            return
+        if isinstance(error, serving.ServeAgain) or serving.changed(error):
+            logging.warning("%s; connecting again", error_summary(error))
+            self.close_session()
             return
         if not isinstance(error, PS_LOST):
             raise error
@@ -290,9 +311,11 @@ def poll_until(ready, timeout: float, waiting, failure) -> None:
         time.sleep(POLL_SECS)
 
 
-def wait_for_ps(task: Task, timeout: float) -> None:
-    """Waits until every ps task accepts connections, logging progress."""
-    pending = list(range(task.cluster.num_ps))
+def wait_for_ps(task: Task, timeout: float,
+                only: list[int] | None = None) -> None:
+    """Waits until every ps task (or those in `only`) accepts
+    connections, logging progress."""
+    pending = list(range(task.cluster.num_ps)) if only is None else only
 
     def ready() -> bool:
         pending[:] = [i for i in pending if ports.answer(

@@ -246,11 +246,12 @@ class Warmed:
     epoch: dict
 
 
-def epoch_copy_device(config, num_ps: int) -> str | None:
+def epoch_copy_device(config, num_ps: int,
+                      ps_down: int | None = None) -> str | None:
     """Where the chief's epoch has a copy: with --ps_mirrors, where ps 0's
-    other state has its copies."""
+    other state has its copies, unless that ps is down."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
-            and num_ps > 1 else None)
+            and num_ps > 1 and ps_down != mirrors.PS0_COPIES else None)
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:

@@ -22,7 +22,7 @@ would plan, admit or apply as soon as its link returns. So:
   empty, and that write may be half done across the ps tasks. A claim that
   waits --worker_timeout_secs in vain concludes that, and the new chief
   restores the newest checkpoint, as a restarted chief does.
-- With --ps_mirrors, `mirror/chief_epoch` on ps 1 keeps the last claimed
+- With --ps_mirrors, `ps_mirror/chief_epoch` on ps 1 keeps the last claimed
   epoch. A ps 0 started again has no record, and a claim there goes on
   from that copy: an epoch is never given out twice, so a chief deposed
   before ps 0 died stays deposed.
@@ -51,7 +51,7 @@ class ChiefLock:
         self.epoch_copy = None
         if copy_device is not None:
             with tf.device(copy_device):
-                self.epoch_copy = _unsaved("mirror/chief_epoch", [])
+                self.epoch_copy = _unsaved("ps_mirror/chief_epoch", [])
         with tf.device(device):
             # int64 [] feed: the epoch of the loop that writes (-1: none).
             self.loop_epoch = tf.compat.v1.placeholder_with_default(

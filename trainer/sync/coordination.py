@@ -92,7 +92,7 @@ class RunCoordination:
     def start_op(self) -> tf.Operation:
         """Run by the chief after init, restore or taking over, before
         marking ready: forgets the events, the stop and the halt of a
-        previous chief, makes itself the only one in the roster, lets
+        previous chief, says which ps its graph does without, makes itself the only one in the roster, lets
         through any pull that waits for a turn, and asks every worker
         still running to join again (REJOIN)."""
         with tf.device(self.device):
@@ -100,6 +100,7 @@ class RunCoordination:
             reset = [s.events.dequeue_many(s.events.size())[0].op,
                      self.stop_reason.assign("", read_value=False),
                      s.halt.assign(0, read_value=False),
+                     s.ps_down.assign(s.ps_down_here, read_value=False),
                      s.roster.assign(tf.one_hot(self.chief, s.num_workers,
                                                 True, False),
                                      read_value=False),
@@ -135,11 +136,13 @@ class RunCoordination:
         with tf.device(self.device):
             return self.finished.dequeue_many(self.finished.size())
 
-    def shutdown_ops(self, num_ps: int, ps_device, status: tf.Tensor) -> list:
-        """One enqueue of `status` (int32 []) per ps task, each on its
-        own device (ps_device(i)): tells it to exit."""
+    def shutdown_ops(self, ps_tasks: list[int], ps_device,
+                     status: tf.Tensor) -> list:
+        """(i, an enqueue of `status` (int32 [])) per ps task i of
+        `ps_tasks`, each on its own device (ps_device(i)): tells it to
+        exit."""
         ops = []
-        for i in range(num_ps):
+        for i in ps_tasks:
             with tf.device(ps_device(i)):
-                ops.append(shutdown_queue(i).enqueue(status))
+                ops.append((i, shutdown_queue(i).enqueue(status)))
         return ops

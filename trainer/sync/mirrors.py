@@ -2,7 +2,7 @@
 state on the next ps, updated by every step alike, so that a ps started
 again after it died is refilled from the copies instead of a checkpoint.
 
-Shard i, on ps p, has its copy `mirror/shard_<i>` (float32 [n_i]) on ps
+Shard i, on ps p, has its copy `ps_mirror/shard_<i>` (float32 [n_i]) on ps
 (p + 1) % P, with the slots and other state (Adam's beta powers) of a
 second optimizer of the same rule. A step's averaged gradient of shard i
 is applied to both, inside the chief's guarded write (sync/chief_lock.py),
@@ -10,8 +10,8 @@ so each copy holds its primary's bits. Copies are not in checkpoints:
 after an initialize or a restore every copy is set from its primary
 (`Refill.copy_all`).
 
-ps 0's own state has a copy on ps 1 as well: `mirror/global_step`, set
-at the end of each step's write, and `mirror/begun`, set to the step the
+ps 0's own state has a copy on ps 1 as well: `ps_mirror/global_step`, set
+at the end of each step's write, and `ps_mirror/begun`, set to the step the
 write brings the run to at its start, before anything on ps 1 is
 written. Where the two differ, a write was cut
 short on ps 1. So a ps 0 started again is refilled where ps 1's copies are
@@ -30,13 +30,35 @@ import tensorflow as tf
 
 from trainer.learning import optim
 
-COPY_PREFIX = "mirror/"
+# After "params/" in name order: Adam keeps its step state beside the
+# first of its variables by name, so a graph serving a shard from its
+# copy keeps it where the run's graph does (on the first primary's ps).
+COPY_PREFIX = "ps_mirror/"
 PS0_COPIES = 1   # the ps task that keeps the copies of ps 0's state
 
 
 def copy_task(ps: int, num_ps: int) -> int:
     """The ps task that keeps the copies of ps `ps`'s shards."""
     return (ps + 1) % num_ps
+
+
+def copy_name(primary_name: str) -> str:
+    """`params/shard_1` -> `ps_mirror/shard_1`: its copy's variable."""
+    return COPY_PREFIX + primary_name.split("/")[-1]
+
+
+def serving_task(ps: int, ps_down: int | None, num_ps: int) -> int:
+    """The ps task that serves ps `ps`'s shards: itself, or the one with
+    their copies while it is down."""
+    return copy_task(ps, num_ps) if ps == ps_down else ps
+
+
+def served_by_copies(ps_down: int | None, num_ps: int) -> dict:
+    """For FlatParams: {ps_down: (its shard's copy's name, device)}."""
+    if ps_down is None:
+        return {}
+    return {ps_down: (copy_name(f"params/shard_{ps_down}"),
+                      f"/job:ps/task:{copy_task(ps_down, num_ps)}")}
 
 
 class Mirrors:
@@ -52,12 +74,12 @@ class Mirrors:
         for v, p in zip(primaries, ps_indices):
             with tf.compat.v1.device(
                     f"/job:ps/task:{copy_task(p, num_ps)}"):
-                self.copies.append(_copy(v.op.name.split("/")[-1], v,
+                self.copies.append(_copy(copy_name(v.op.name), v,
                                          trainable=True))
         self.global_step = global_step
         with tf.compat.v1.device(f"/job:ps/task:{PS0_COPIES}"):
-            self.step_copy = _copy("global_step", global_step)
-            self.begun = _copy("begun", global_step)
+            self.step_copy = _copy(COPY_PREFIX + "global_step", global_step)
+            self.begun = _copy(COPY_PREFIX + "begun", global_step)
 
     def apply(self, step: tf.Tensor, mean_grads: list,
               update: optim.ScheduledUpdate) -> tf.Operation:
@@ -109,7 +131,7 @@ class Mirrors:
 
 def _copy(name: str, like: tf.Variable, trainable=False) -> tf.Variable:
     return tf.compat.v1.get_variable(
-        COPY_PREFIX + name, like.shape, like.dtype.base_dtype,
+        name, like.shape, like.dtype.base_dtype,
         initializer=tf.compat.v1.zeros_initializer(), trainable=trainable,
         use_resource=True)
 
@@ -163,6 +185,9 @@ class Refill:
             return False
         if fills:
             session.run(fills)
+            # Copies whose primary lived may be behind: none were written
+            # while a ps was done without (trainer/roles/serving.py).
+            session.run(self.copy_all)
             where = sorted({self.device[m] for m in missing
                             if m in self.device})
             logging.warning("refilled %s from the mirrors: nothing restored",

@@ -26,6 +26,10 @@ from trainer.sync import queues
 STOP = -1     # token step: the chief stopped the run (coordination.py)
 REJOIN = -2   # token step: a (re)started chief asks for every worker
 TOKEN_SIZE = 4
+NO_PS_DOWN = -1   # sync/ps_down: every ps serves its own shards
+# In the error of a push from a graph that serves the shards otherwise
+# than the chief's: its worker builds the chief's way and joins again.
+SERVING_CHANGED = "the chief serves the shards from other ps tasks now"
 
 # Event kinds on sync/events (and membership records).
 # LATE: a round's deadline passed (trainer/roles/deadlines.py).
@@ -86,15 +90,25 @@ class SharedState:
 
     def __init__(self, num_workers: int, shard_sizes: list[int],
                  shard_devices: list[str], train_steps: int = 1,
-                 grad_dtype: tf.DType = tf.float32):
+                 grad_dtype: tf.DType = tf.float32,
+                 ps_down: int | None = None):
         # grad_dtype: the gradient rows' (int64: --deterministic's sums).
+        # ps_down: the ps this graph does without (its shards are served
+        # by their copies, shard_devices says where), or None.
         self.num_workers, self.grad_dtype = num_workers, grad_dtype
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
+        self.ps_down_here = NO_PS_DOWN if ps_down is None else ps_down
         zeros = tf.compat.v1.zeros_initializer()
         n = [num_workers]
         with tf.device(shard_devices[0]):
             self.global_step = ps_variable("global_step", [], tf.int64, zeros,
                                            transient=False)
+            # The ps the chief's graph does without (NO_PS_DOWN: none),
+            # set at its every start: a push from a graph that differs is
+            # refused (trainer/sync/transport.py).
+            self.ps_down = ps_variable(
+                "sync/ps_down", [], tf.int64,
+                tf.compat.v1.constant_initializer(NO_PS_DOWN), transient=True)
             self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
                                        zeros, transient=False)
             # Who is in (bool [N]); the chief is always in.

@@ -102,6 +102,15 @@ class Transport:
                 writes.append(set_at(
                     shared.grads[s], row,
                     sent[s] if fixed else wire.from_wire(sent[s])))
-        with tf.control_dependencies(writes):
+        # The rows are where this graph put them: announced only while
+        # the chief's graph reads them there too (no ps went down, or came
+        # back, since this worker built its graph).
+        with tf.device(shared.shard_devices[0]), \
+                tf.control_dependencies(writes):
+            same = tf.debugging.assert_equal(
+                shared.ps_down.read_value(),
+                tf.constant(shared.ps_down_here, tf.int64),
+                message=state_lib.SERVING_CHANGED)
+        with tf.control_dependencies([same]):
             return shared.send_event(state_lib.PUSHED, worker, step_ps,
                                      round_ps)

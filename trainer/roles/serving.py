@@ -1,0 +1,200 @@
+"""Which ps tasks serve the shards: every one, or, with --ps_mirrors, all
+but one that is down, whose shards are served by their copies on the next
+ps (trainer/sync/mirrors.py). Never ps 0: its queues and lock have no
+second home.
+
+The chief decides, each time it connects: a ps other than ps 0 whose
+port does not answer, while ps 0 holds a run and every other ps answers,
+is done without. Its graph then reads and writes that ps's shards through
+their copies, and it says so in `sync/ps_down` on ps 0 at its start. The
+other workers follow: each reads `sync/ps_down` when it connects and
+builds its graph alike. A push from a graph built otherwise is refused
+(trainer/sync/transport.py), so its worker connects again and follows.
+
+While a ps is done without, the chief looks at its port every second; once
+it answers (the ps was started again), the chief halts at the next step
+boundary and connects with every ps: the ps is refilled from the copies
+(`Refill.after_restart`) and takes its shards back.
+"""
+
+import time
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.cluster import devices
+from trainer.cluster import ports
+from trainer.roles.background import BackgroundThread
+from trainer.sync import mirrors
+from trainer.sync import state as state_lib
+
+PROBE_SECS = 1.0   # how often the chief looks at a ps that is down
+READ_MS = 5000     # the most a read of ps 0 waits
+
+
+class ServeAgain(Exception):
+    """Out of the chief's run: the ps it did without answers again."""
+
+
+def port_open(task, ps: int) -> bool:
+    return ports.answer(task.cluster.ps[ps], PROBE_SECS,
+                       "--ps_hosts") == ports.OPEN
+
+
+class Ps0Reader:
+    """A graph and session of our own on ps 0 (and nothing else): whether
+    it holds a run, and which ps the chief's graph does without."""
+
+    def __init__(self, target: str, task, config):
+        graph = tf.Graph()
+        with graph.as_default(), tf.device(devices.ps_device(0)):
+            step = _like("global_step")
+            down = _like("sync/ps_down")
+            self._held = tf.raw_ops.VarIsInitializedOp(resource=step.handle)
+            self._down_set = tf.raw_ops.VarIsInitializedOp(
+                resource=down.handle)
+            self._down = down.read_value()
+        self._session = tf.compat.v1.Session(
+            target, graph=graph,
+            config=devices.session_config(config, task, ps_tasks=[0]))
+        self._options = tf.compat.v1.RunOptions(timeout_in_ms=READ_MS)
+
+    def holds_run(self) -> bool:
+        return bool(self._session.run(self._held, options=self._options))
+
+    def ps_down(self) -> int | None:
+        """The ps the chief's graph does without, or None."""
+        run = lambda t: self._session.run(t, options=self._options)
+        if not run(self._down_set):
+            return None
+        down = int(run(self._down))
+        return None if down == state_lib.NO_PS_DOWN else down
+
+    def close(self) -> None:
+        self._session.close()
+
+
+def _like(name: str) -> tf.Variable:
+    """A handle to ps 0's int64 [] variable `name` (never initialized
+    from here)."""
+    return tf.compat.v1.get_variable(
+        name, [], tf.int64, initializer=tf.compat.v1.zeros_initializer(),
+        use_resource=True, collections=[])
+
+
+def chief_choice(task, config, reader: Ps0Reader) -> int | None:
+    """The ps the chief does without, or None (wait for every ps, as
+    without mirrors): one ps other than ps 0 that does not answer, while
+    ps 0 holds a run and every other ps answers."""
+    if not config.ps_mirrors or task.cluster.num_ps < 2:
+        return None
+    silent = [i for i in range(task.cluster.num_ps)
+              if not port_open(task, i)]
+    if len(silent) != 1 or silent[0] == 0:
+        return None
+    try:
+        held = reader.holds_run()
+    except tf.errors.OpError:
+        return None
+    return silent[0] if held else None
+
+
+def worker_choice(task, reader: Ps0Reader, timeout: float) -> int | None:
+    """What the chief chose, once every ps it uses answers (else waits,
+    reading it again: the chief may not have chosen yet)."""
+    deadline, said = time.monotonic() + timeout, 0.0
+    while True:
+        try:
+            down = reader.ps_down()
+        except tf.errors.OpError:
+            down = None
+        missing = [i for i in range(task.cluster.num_ps)
+                   if i != down and not port_open(task, i)]
+        if not missing:
+            return down
+        now = time.monotonic()
+        if now > deadline:
+            return down   # wait_for_ps then says which, and fails
+        if now - said > 5:
+            logging.info("waiting for ps %s, or for the chief to do "
+                         "without it", ", ".join(map(str, missing)))
+            said = now
+        time.sleep(0.25)
+
+
+class DownWatch(BackgroundThread):
+    """The chief's: calls back() once the ps it does without answers."""
+
+    def __init__(self, task, ps: int, back):
+        super().__init__("ps-down-watch", PROBE_SECS, PROBE_SECS * 4)
+        self._task, self._ps, self._back = task, ps, back
+        self._told = False
+
+    def run_once(self) -> None:
+        if not self._told and port_open(self._task, self._ps):
+            self._told = True
+            self._back()
+
+
+def mirrored(config, task) -> bool:
+    """Whether a ps may be done without (--ps_mirrors, 2 or more ps)."""
+    return config.ps_mirrors and task.cluster.num_ps > 1
+
+
+def ps_tasks(task, down: int | None) -> list[int] | None:
+    """The ps tasks a session uses: None (every one), or all but `down`."""
+    if down is None:
+        return None
+    return [i for i in range(task.cluster.num_ps) if i != down]
+
+
+def changed(error: Exception) -> bool:
+    """A push refused: the chief's graph serves the shards otherwise."""
+    return (isinstance(error, tf.errors.InvalidArgumentError)
+            and state_lib.SERVING_CHANGED in str(error))
+
+
+_readers = {}   # (target, worker) -> Ps0Reader: one per process
+
+
+def choose(target: str, task, config, as_chief: bool) -> int | None:
+    """The ps to do without now (chief_choice, or the chief's choice as a
+    worker reads it), or None."""
+    key = (target, task.task_index)
+    if key not in _readers:
+        _readers[key] = Ps0Reader(target, task, config)
+    reader = _readers[key]
+    if as_chief:
+        return chief_choice(task, config, reader)
+    return worker_choice(task, reader, config.startup_timeout_secs)
+
+
+def rebuild(task, graph, down: int | None, build):
+    """build(down): the graph that serves the shards without ps `down`
+    (None: with every ps), saying so."""
+    if down is None:
+        logging.warning("every ps serves its own shards again (ps %d is "
+                        "back): building the graph with it", graph.ps_down)
+    else:
+        logging.warning(
+            "ps %d is down: building the graph that serves its shards from "
+            "their copies on ps %d", down,
+            mirrors.copy_task(down, task.cluster.num_ps))
+    return build(down)
+
+
+def fill_what_was_lost(session, ops) -> bool:
+    """Whether the chief goes on from the state on the ps tasks: they hold
+    every variable, once a ps started again is refilled from the mirrors
+    (a refilled ps 0's step record starts anew), and once the gradient
+    rows a graph moved to a copy's ps (ps_down) are started afresh.
+
+    ops: the chief's ChiefOps."""
+    if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
+        session.run(ops.set_record_from)
+    missing = [m.decode() for m in session.run(ops.uninitialized)]
+    if missing and all(m in ops.transient_inits for m in missing):
+        session.run([ops.transient_inits[m] for m in missing])
+        logging.info("started afresh: %s", ", ".join(missing))
+        return True
+    return not missing
