@@ -61,7 +61,7 @@ class Chief(WorkerRole):
             step = self._claim_and_start(logdir)
             writer = self._ready(step, logdir)
             with self._membership_watch(writer) as watch, \
-                    self._round_deadlines(), self._down_watch():
+                    self._round_deadlines(), self._ps_watch():
                 self._wait_for_workers(self.config.min_workers)
                 outcome = progress.drive(
                     self._step_runner(logdir),
@@ -127,18 +127,21 @@ class Chief(WorkerRole):
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
             self.task.cluster, self.config, writer,
-            on_unreachable=self._on_ps0_silent, chief=self.k)
+            on_unreachable=lambda step, who: ending.on_ps0_silent(
+                self, step, who), chief=self.k)
 
-    def _down_watch(self):
-        """While a ps is done without: halts at a step boundary once it
-        answers again, to connect with it (serving.py)."""
-        if self.g.ps_down is None:
+    def _ps_watch(self):
+        """With --ps_mirrors: a ps gone down is done without at once; one
+        done without that answers again is taken back at a step boundary
+        (serving.py)."""
+        if not serving.mirrored(self.config, self.task):
             return contextlib.nullcontext()
 
         def back():
             self._serve_again = True
             self.session.run(self.g.chief.halt_op)
-        return serving.DownWatch(self.task, self.g.ps_down, back)
+        return serving.PsWatch(self.task, self.g.ps_down, lambda k: (
+            self.reconnect(f"ps {k} refuses connections")), back)
 
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
@@ -233,29 +236,6 @@ class Chief(WorkerRole):
                 f"over the chief's work while this chief was out of reach"
                 f"{at}; exiting: start this task again to join the run as "
                 "a worker")
-
-    def _on_ps0_silent(self, step: int | None, who: str) -> None:
-        """ps 0 has not answered for --worker_timeout_secs: nothing can be
-        saved or sent through it, so the last checkpoint stands. Runs on
-        the membership watch's thread."""
-        timeout = f"{self.config.worker_timeout_secs:.0f} s"
-        at = "" if step is None else f" at step {step}"
-        # With other workers, this chief waits as they do: its blocked
-        # run fails once the connection gives up (cluster/devices.py), and
-        # it reconnects when ps 0 answers, going on as the chief unless a
-        # worker that could reach ps 0 took over meanwhile (then it exits
-        # with one line: _check_still_chief).
-        if self.task.cluster.num_workers > 1:
-            logging.warning("%s for %s (--worker_timeout_secs)%s; waiting "
-                            "for it", who, timeout, at)
-            return
-        # Alone, nothing can go on without this chief: even when the stop
-        # cannot be sent, the ps tasks must exit.
-        ending.shut_down_ps(self.session, self.g.chief, self.task.cluster,
-                            failed=True)
-        self.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
-                     "stopped; start every task again with the same flags "
-                     "to continue from the last checkpoint")
 
     def _save_and_stop(self, logdir: pathlib.Path, step: int,
                        reason: str) -> None:

@@ -64,3 +64,27 @@ def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
     if never:
         logging.warning("never joined: %s", ", ".join(
             cluster.describe("worker", k) for k in never))
+
+
+def on_ps0_silent(chief, step: int | None, who: str) -> None:
+    """ps 0 has not answered for --worker_timeout_secs: nothing can be
+    saved or sent through it, so the last checkpoint stands. Runs on
+    the membership watch's thread (the chief: trainer/roles/chief.py)."""
+    timeout = f"{chief.config.worker_timeout_secs:.0f} s"
+    at = "" if step is None else f" at step {step}"
+    # With other workers, this chief waits as they do: its blocked
+    # run fails once the connection gives up (cluster/devices.py), and
+    # it reconnects when ps 0 answers, going on as the chief unless a
+    # worker that could reach ps 0 took over meanwhile (then it exits
+    # with one line: Chief._check_still_chief).
+    if chief.task.cluster.num_workers > 1:
+        logging.warning("%s for %s (--worker_timeout_secs)%s; waiting "
+                        "for it", who, timeout, at)
+        return
+    # Alone, nothing can go on without this chief: even when the stop
+    # cannot be sent, the ps tasks must exit.
+    shut_down_ps(chief.session, chief.g.chief, chief.task.cluster,
+                 failed=True)
+    chief.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
+                  "stopped; start every task again with the same flags "
+                  "to continue from the last checkpoint")

@@ -34,6 +34,7 @@ class RunEnded(Exception):
 
 POLL_SECS = 0.25           # how often to look for a ps or the chief
 CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
+QUICK_CLOSE_SECS = 1.0     # closing after a failed run: clean-up only
 PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
 
 # Errors a task sees when a ps task died or restarted (connection refused,
@@ -65,6 +66,7 @@ class WorkerRole(abc.ABC):
         self.traces = []          # (first step, steps, RunMetadata)
         self._stop_reason = None
         self._outage_secs = None   # set by the watchdog: join again
+        self._reconnect_reason = None  # set by `reconnect`
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
         # The step of the latest token a worker other than the chief took
@@ -167,6 +169,7 @@ class WorkerRole(abc.ABC):
         after; closes the broken session either way."""
         with self._lock:
             reason, outage = self._stop_reason, self._outage_secs
+            again, self._reconnect_reason = self._reconnect_reason, None
             self._outage_secs = None
         if self._taking_over:  # the chief watch closed the session
             raise takeover.TakeOver(*self._taking_over) from None
@@ -181,13 +184,17 @@ class WorkerRole(abc.ABC):
             self.close_session()
             self.last_progress = time.monotonic()
             return
-        if isinstance(error, serving.ServeAgain) or serving.changed(error):
-            logging.warning("%s; connecting again", error_summary(error))
-            self.close_session()
+        if again or isinstance(error, serving.ServeAgain) or (
+                serving.changed(error)):
+            logging.warning("%s; connecting again",
+                            again or error_summary(error))
+            self.close_session(QUICK_CLOSE_SECS)
             return
         if not isinstance(error, PS_LOST):
             raise error
-        self.close_session()
+        # The run failed: nothing of it is left to cancel, and the close's
+        # clean-up may wait on a ps that is gone.
+        self.close_session(QUICK_CLOSE_SECS)
         first_line = error_summary(error)
         if time.monotonic() - self.last_progress > (
                 self.config.startup_timeout_secs):
@@ -198,7 +205,7 @@ class WorkerRole(abc.ABC):
                 ) from None
         logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
-    def close_session(self) -> None:
+    def close_session(self, deadline: float = CLOSE_DEADLINE_SECS) -> None:
         """Closes the session, waiting at most CLOSE_DEADLINE_SECS: with a
         peer cut off or gone, the close can block as long as TCP or gRPC
         retries it, and nothing else would end it (the watchdog stops with
@@ -209,11 +216,10 @@ class WorkerRole(abc.ABC):
         if session is None:
             return
         # An error of the close is dropped: the ps may be gone already.
-        if not ThreadCall(session.close, "session-close").done(
-                CLOSE_DEADLINE_SECS):
+        if not ThreadCall(session.close, "session-close").done(deadline):
             logging.warning("the old session did not close within %.0f s "
                             "(a peer cut off or gone); going on without it",
-                            CLOSE_DEADLINE_SECS)
+                            deadline)
 
     def callable(self, fetches: dict, feeds=(), fixed=None):
         return make_callable(self.session, fetches, feeds, fixed)
@@ -247,6 +253,13 @@ class WorkerRole(abc.ABC):
         worker does."""
         with self._lock:
             self._outage_secs = outage_secs
+        self.close_session()
+
+    def reconnect(self, reason: str) -> None:
+        """Ends the blocked run: run() then connects again (the chief, on
+        a ps gone down: serving.py)."""
+        with self._lock:
+            self._reconnect_reason = reason
         self.close_session()
 
     def take_over(self, reason: str) -> None:

@@ -122,18 +122,34 @@ def worker_choice(task, reader: Ps0Reader, timeout: float) -> int | None:
         time.sleep(0.25)
 
 
-class DownWatch(BackgroundThread):
-    """The chief's: calls back() once the ps it does without answers."""
+class PsWatch(BackgroundThread):
+    """The chief's eye on the ps tasks (--ps_mirrors). With every ps
+    serving: calls down(k) once ps k (not ps 0) refused connections at
+    two looks in a row, so that the chief need not wait for a run to
+    touch it (one blocked on a push would not). Doing without ps k:
+    calls back() once it answers. Once either is called, it stops."""
 
-    def __init__(self, task, ps: int, back):
-        super().__init__("ps-down-watch", PROBE_SECS, PROBE_SECS * 4)
-        self._task, self._ps, self._back = task, ps, back
-        self._told = False
+    def __init__(self, task, ps_down: int | None, down, back):
+        super().__init__("ps-watch", PROBE_SECS, PROBE_SECS * 4)
+        self._task, self._ps_down = task, ps_down
+        self._down, self._back = down, back
+        self._refused = set()   # refused at the last look
 
-    def run_once(self) -> None:
-        if not self._told and port_open(self._task, self._ps):
-            self._told = True
-            self._back()
+    def run_once(self) -> bool:
+        if self._ps_down is not None:
+            if port_open(self._task, self._ps_down):
+                self._back()
+                return False
+            return True
+        refused = {i for i in range(1, self._task.cluster.num_ps)
+                   if ports.answer(self._task.cluster.ps[i], PROBE_SECS,
+                                   "--ps_hosts") == ports.REFUSED}
+        twice, self._refused = refused & self._refused, refused
+        if twice:
+            self._down(min(twice))
+            return False
+        return True
+
 
 
 def mirrored(config, task) -> bool:
