@@ -148,3 +148,33 @@ def test_the_progress_line_parses_back(caplog, monkeypatch):
     ""])
 def test_other_lines_are_not_progress(line):
     assert progress_line.parse_progress_line(line) is None
+
+
+class _FailedTask:
+    """A launcher task that exited with status 1 (tasks.Restarts reads
+    its job, index, name and status)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.job = name.rstrip("0123456789")
+        self.index = int(name[len(self.job):])
+        self.unreachable = False
+
+    def poll(self):
+        return 1
+
+
+def test_with_mirrors_the_launcher_goes_on_without_a_ps_but_ps_0():
+    from trainer.cluster import tasks
+    started = []
+    restart = tasks.Restarts(0, lambda job, i: started.append((job, i)),
+                             num_workers=2, ps_mirrors=True)
+    assert restart(_FailedTask("ps1"), []) is True
+    assert restart(_FailedTask("ps0"), []) is False
+    assert started == []
+    without = tasks.Restarts(0, lambda job, i: None, num_workers=2)
+    assert without(_FailedTask("ps1"), []) is False
+    again = tasks.Restarts(0, lambda job, i: started.append((job, i)) or job,
+                           num_workers=2, ps_allowed=1, ps_mirrors=True)
+    assert again(_FailedTask("ps1"), []) is True
+    assert started == [("ps", 1)]

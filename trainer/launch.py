@@ -7,7 +7,8 @@ of `python -m trainer.main`: on free loopback ports of this machine
 prefixes their output with the task's name. A failed worker is left
 behind or started again (--worker_restarts); so is the chief where there
 are other workers, one of which takes over its work. A failed ps is
-started again with --ps_restarts. A ps failing otherwise, the chief
+started again with --ps_restarts; with --ps_mirrors, the run goes on
+without a failed ps other than ps 0. A ps failing otherwise, the chief
 failing alone, or Ctrl-C stops them all. The exit status is the
 run's: 0 when the ps tasks exited 0, else that of the first task that
 stopped the run. Every trainer flag given here is passed on.
@@ -116,7 +117,12 @@ def main(argv) -> int:
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
         FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        isolated, console, on_chief_line, FLAGS.ps_restarts))
+        isolated, console, on_chief_line, FLAGS.ps_restarts, _mirrored()))
+
+
+def _mirrored() -> bool:
+    """--ps_mirrors with 2 or more ps: the run survives a ps but ps 0."""
+    return FLAGS.ps_mirrors and FLAGS.num_ps > 1
 
 
 def _with_console(run) -> int:
@@ -157,7 +163,7 @@ def _launch_over_ssh(console, on_chief_line) -> int:
         hosts, FLAGS.num_ps, num_workers, FLAGS.base_port, remote,
         remote_lib.facts([], None, True), trainer_flags.forwarded_flags(),
         check, FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        console, on_chief_line, FLAGS.ps_restarts)
+        console, on_chief_line, FLAGS.ps_restarts, _mirrored())
 
 
 def run_main():

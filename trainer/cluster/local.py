@@ -121,7 +121,7 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
            worker_flags: list[str], exit_grace_secs: float,
            report: str | None = None, worker_restarts: int = 0,
            isolated: bool = False, console=None, on_chief_line=None,
-           ps_restarts: int = 0) -> int:
+           ps_restarts: int = 0, ps_mirrors: bool = False) -> int:
     """Runs the cluster to the end (tasks.run); returns the exit status
     of the run.
 
@@ -131,6 +131,8 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
       worker_restarts: how often a failed worker is started again (the
         chief too, where there are other workers).
       ps_restarts: how often a failed ps task is started again.
+      ps_mirrors: --ps_mirrors with 2 or more ps (a ps other than ps 0
+        may fail, and the run goes on).
       isolated: isolate_network() succeeded (no security notice).
       console: a common.console.Console for the tasks' lines, or None.
       on_chief_line: (line) -> None, called with each line of the
@@ -156,4 +158,4 @@ def launch(num_ps: int, num_workers: int, host: str, extra: list[str],
 
     chief = tasks.ChiefName()
     return tasks.run(start, num_ps, num_workers, exit_grace_secs, report,
-                     worker_restarts, chief, ps_restarts)
+                     worker_restarts, chief, ps_restarts, ps_mirrors)

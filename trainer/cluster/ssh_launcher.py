@@ -52,7 +52,7 @@ def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
            training: list[str], check_flags: list[str],
            exit_grace_secs: float, report: str | None = None,
            worker_restarts: int = 0, console=None, on_chief_line=None,
-           ps_restarts: int = 0) -> int:
+           ps_restarts: int = 0, ps_mirrors: bool = False) -> int:
     """Runs the cluster on the hosts to the end; returns the run's exit
     status, or INPUT_ERROR_STATUS with nothing started if a host fails
     its check.
@@ -98,6 +98,7 @@ def launch(hosts: list[ssh.Host], num_ps: int, num_workers: int,
     chief = tasks.ChiefName()
     try:
         return tasks.run(start, num_ps, num_workers, exit_grace_secs,
-                         report, worker_restarts, chief, ps_restarts)
+                         report, worker_restarts, chief, ps_restarts,
+                         ps_mirrors)
     finally:
         beats.stop()

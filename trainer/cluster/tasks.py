@@ -12,7 +12,9 @@ here and is the same for both:
     (trainer/roles/takeover.py), and it joins again as a worker;
   * a ps failing, or the chief where it is the only worker, stops every
     task, unless --ps_restarts allows the ps to be started again (the
-    workers reconnect, and the chief restores the newest checkpoint);
+    workers reconnect, and the chief restores the newest checkpoint, or
+    with --ps_mirrors refills it), or, with --ps_mirrors, the ps is not
+    ps 0 (the run goes on without it: trainer/roles/serving.py);
   * Ctrl-C first asks the chief (whichever worker does the chief's work
     now: `ChiefName`) to save a checkpoint where it is (SIGTERM, which a
     remote task receives as its ssh stdin closing);
@@ -121,12 +123,14 @@ class ChiefName:
 
 def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
         report: str | None = None, worker_restarts: int = 0,
-        chief: ChiefName | None = None, ps_restarts: int = 0) -> int:
+        chief: ChiefName | None = None, ps_restarts: int = 0,
+        ps_mirrors: bool = False) -> int:
     """Starts every task with start(job, index), runs the cluster to the
     end and returns the exit status of the run.
 
     worker_restarts: how often a failed worker (not the chief) is started
       again. report: a JSON file for each task's exit status and memory.
+      ps_mirrors: the run goes on without a ps other than ps 0.
     """
     tasks: list[TaskProcess] = []
     try:
@@ -135,7 +139,8 @@ def run(start: Start, num_ps: int, num_workers: int, exit_grace_secs: float,
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
                 tasks.append(start(job, i))
-        restart = Restarts(worker_restarts, start, num_workers, ps_restarts)
+        restart = Restarts(worker_restarts, start, num_workers, ps_restarts,
+                           ps_mirrors)
         status = _supervise(tasks, exit_grace_secs, restart)
     except KeyboardInterrupt:
         logging.error("interrupted: stopping every task")
@@ -153,13 +158,18 @@ class Restarts:
     chief is left behind, or started again while it has restarts left."""
 
     def __init__(self, allowed: int, start: Start, num_workers: int = 1,
-                 ps_allowed: int = 0):
+                 ps_allowed: int = 0, ps_mirrors: bool = False):
         self.allowed, self.start, self.used = allowed, start, {}
         self.num_workers, self.ps_allowed = num_workers, ps_allowed
+        self.ps_mirrors = ps_mirrors
         self.unreachable: set[int] = set()  # workers whose host is away
 
     def __call__(self, task: TaskProcess, tasks: list) -> bool:
         if task.job == "ps":
+            if self.ps_mirrors and task.index > 0:
+                self._again(task, tasks, self.ps_allowed, "--ps_restarts",
+                            "the run goes on without it (--ps_mirrors)")
+                return True
             return self._again(task, tasks, self.ps_allowed, "--ps_restarts",
                                "the run stops")
         if task.name == CHIEF and (self.num_workers == 1 or task.poll()

@@ -268,7 +268,8 @@ class Chief(WorkerRole):
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
         # them): serving.fill_what_was_lost says how.
-        if not lost and serving.fill_what_was_lost(self.session, ops):
+        if not lost and serving.fill_what_was_lost(self.session, ops,
+                                                   self.take_back):
             step = int(self.session.run(self.g.handles.global_step))
             # results.json counts this chief's steps only.
             self._counted_before = -self.session.run(ops.contributions)

@@ -138,11 +138,12 @@ class WorkerRole(abc.ABC):
 
     def _connect(self) -> None:
         timeout = self.config.startup_timeout_secs
-        down = None
+        down = self.take_back = None
         if serving.mirrored(self.config, self.task):
             wait_for_ps(self.task, timeout, only=[0])
-            down = serving.choose(self.server.target, self.task, self.config,
-                                  self.g.chief is not None)
+            down, self.take_back = serving.choose(
+                self.server.target, self.task, self.config,
+                self.g.chief is not None)
         if down != self.g.ps_down:
             self._warmed = None
             self.g = serving.rebuild(self.task, self.g, down, lambda d: (
@@ -267,7 +268,7 @@ class WorkerRole(abc.ABC):
         blocked run; run() then raises TakeOver, and this process starts
         the chief's side."""
         claim = takeover.Claim(self.server.target, self.task, self.config,
-                               self.k)
+                               self.k, self.g.ps_down)
         with self._lock:
             self._taking_over = (reason, claim)
         self.close_session()

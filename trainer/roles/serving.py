@@ -173,16 +173,22 @@ def changed(error: Exception) -> bool:
 _readers = {}   # (target, worker) -> Ps0Reader: one per process
 
 
-def choose(target: str, task, config, as_chief: bool) -> int | None:
-    """The ps to do without now (chief_choice, or the chief's choice as a
-    worker reads it), or None."""
+def choose(target: str, task, config, as_chief: bool) -> tuple:
+    """(the ps to do without now, or None; a ps the last chief did
+    without that the chief now uses, or None). A worker follows the
+    chief's choice, and takes nothing back."""
     key = (target, task.task_index)
     if key not in _readers:
         _readers[key] = Ps0Reader(target, task, config)
     reader = _readers[key]
-    if as_chief:
-        return chief_choice(task, config, reader)
-    return worker_choice(task, reader, config.startup_timeout_secs)
+    if not as_chief:
+        return worker_choice(task, reader, config.startup_timeout_secs), None
+    try:
+        before = reader.ps_down()
+    except tf.errors.OpError:
+        before = None
+    down = chief_choice(task, config, reader)
+    return down, (before if before not in (None, down) else None)
 
 
 def rebuild(task, graph, down: int | None, build):
@@ -199,13 +205,16 @@ def rebuild(task, graph, down: int | None, build):
     return build(down)
 
 
-def fill_what_was_lost(session, ops) -> bool:
+def fill_what_was_lost(session, ops, take_back: int | None) -> bool:
     """Whether the chief goes on from the state on the ps tasks: they hold
     every variable, once a ps started again is refilled from the mirrors
     (a refilled ps 0's step record starts anew), and once the gradient
     rows a graph moved to a copy's ps (ps_down) are started afresh.
 
-    ops: the chief's ChiefOps."""
+    ops: the chief's ChiefOps. take_back: a ps the last chief did without,
+    which this one uses: every variable on it is set from the copies."""
+    if take_back is not None and ops.refill:
+        ops.refill.take_back(session, devices.ps_device(take_back))
     if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
         session.run(ops.set_record_from)
     missing = [m.decode() for m in session.run(ops.uninitialized)]

@@ -52,10 +52,14 @@ class Claim:
     """A worker's claim of the chief's role on a session of its own, with
     a beat until `handed_over()`: made before the worker builds the
     chief's graph. epoch, lost: as `claim` returns them; previous: the
-    worker index of the chief it replaces."""
+    worker index of the chief it replaces. ps_down: the ps the worker's
+    graph does without (trainer/roles/serving.py), or None."""
 
-    def __init__(self, target: str, task, config, index: int):
-        self._session, lock = lock_session(target, task, config)
+    def __init__(self, target: str, task, config, index: int,
+                 ps_down: int | None = None):
+        self._session, lock = lock_session(
+            target, task, config,
+            epoch_copy_device(config, task.cluster.num_ps, ps_down))
         self.previous = int(self._session.run(lock.recorded)[INDEX])
         self.epoch, self.lost = claim(self._session, lock, index,
                                       config.worker_timeout_secs)
@@ -68,15 +72,18 @@ class Claim:
         self._session.close()
 
 
-def lock_session(target: str, task, config):
+def lock_session(target: str, task, config, copy_device: str | None):
     """(a session, the ChiefLock): a graph of the lock alone, for a worker
-    that claims or asks about the chief's role outside its own graph."""
+    that claims or asks about the chief's role outside its own graph.
+    copy_device: where the epoch's copy is (epoch_copy_device), or None
+    for a session that only reads; the session uses ps 0 and that ps
+    only, so that a ps done without does not hold it up."""
     graph = tf.Graph()
     with graph.as_default():
-        lock = ChiefLock(devices.ps_device(0),
-                         epoch_copy_device(config, task.cluster.num_ps))
+        lock = ChiefLock(devices.ps_device(0), copy_device)
+    ps_tasks = [0] + ([mirrors.PS0_COPIES] if copy_device else [])
     return tf.compat.v1.Session(target, graph=graph, config=(
-        devices.session_config(config, task))), lock
+        devices.session_config(config, task, ps_tasks))), lock
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
@@ -268,7 +275,7 @@ def acting_chief(target: str, task, config) -> int | None:
     still down must not take the role back from a worker that took it
     over meanwhile."""
     options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
-    session, lock = lock_session(target, task, config)
+    session, lock = lock_session(target, task, config, None)
     try:
         with session:
             if not session.run(lock.is_recorded, options=options):

@@ -156,6 +156,7 @@ class Refill:
         self.fill, self.partner, self.device = {}, {}, {}
         for v in afresh:
             self.fill[v.op.name] = v.initializer
+            self.device[v.op.name] = v.device
         for a, b in pairs:
             self._fill_from(a, b)
             self._fill_from(b, a)
@@ -193,6 +194,17 @@ class Refill:
             logging.warning("refilled %s from the mirrors: nothing restored",
                             ", ".join(where))
         return bool(fills) and ps0
+
+    def take_back(self, session, device: str) -> None:
+        """Sets every variable on `device` from its partner, whatever it
+        holds: a ps that was done without (trainer/roles/serving.py) may
+        have been cut off, not restarted, and hold the step it was cut
+        off at. Then every copy is set from its primary."""
+        session.run([self.fill[name] for name, on in self.device.items()
+                     if on == device])
+        session.run(self.copy_all)
+        logging.warning("refilled %s from the mirrors: nothing restored "
+                        "(it was done without)", device)
 
     def _fill_from(self, to: tf.Variable, source: tf.Variable) -> None:
         with tf.device(to.device):
