@@ -88,6 +88,29 @@ def test_a_ps_is_a_target_only_when_asked_and_a_killed_ps_comes_back():
         assert on_ps[0].secs is not None
 
 
+def test_with_mirrors_a_ps_but_ps_0_may_be_killed_for_good():
+    """--ps_mirrors: the run goes on without a ps other than ps 0, so a
+    kill of one may stay; a seed draws the same faults either way but
+    for that."""
+    assert schedule.parse("kill:ps1:20:never", lost_for_good=True) == [
+        schedule.Fault("kill", "ps1", 20, None)]
+    for bad in ("kill:ps0:20:never", "stop:ps1:20:never"):
+        with pytest.raises(ValueError, match="bad fault"):
+            schedule.parse(bad, lost_for_good=True)
+    kept = 0
+    for seed in range(300):
+        plain = schedule.draw(seed, 4, 300, 4, chief=True, ps=2)
+        mirrored = schedule.draw(seed, 4, 300, 4, chief=True, ps=2,
+                                 lost_for_good=True)
+        assert [(f.kind, f.task, f.at_step) for f in plain] == [
+            (f.kind, f.task, f.at_step) for f in mirrored]
+        for f in mirrored:
+            if f.task.startswith("ps") and f.secs is None:
+                assert f.task != "ps0" and f.kind == schedule.KILL
+                kept += 1
+    assert kept   # some seed keeps a ps down
+
+
 def test_durations_can_be_capped():
     faults = schedule.draw(3, 4, 600, 20, max_secs=12.0)
     assert all(f.secs is None or f.secs <= 12.0 for f in faults)

@@ -110,11 +110,6 @@ def replay_command(seed: int) -> str:
                        f"--seed={seed}", "--schedules=1", *args])
 
 
-def _mirrored() -> bool:
-    return any(f in ("--ps_mirrors", "--ps_mirrors=true")
-               for f in FLAGS.train_flags)
-
-
 def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
     """The checker's verdict on one run: problems and figures."""
     # Progress lines are the chief's, in whichever worker's log.
@@ -124,9 +119,10 @@ def judge(outcome: run_lib.Outcome, faults: list, reference: dict) -> dict:
         reference, outcome.logdir, yardstick())
     record_path = outcome.logdir / checker.RECORD_FILE
     record = np.load(record_path) if record_path.exists() else None
+    mirrored = schedule_lib.ps_mirrored(FLAGS.train_flags)
     problems = (param_problems
                 + checker.steps(outcome.logdir, logs, FLAGS.train_steps,
-                                checker.ps_killed(outcome, _mirrored()))
+                                checker.ps_killed(outcome, mirrored))
                 + checker.statuses(outcome.codes, faults,
                                    outcome.faults_in_effect,
                                    outcome.stopped_late,
@@ -156,7 +152,9 @@ def check_flags(kinds) -> None:
     chosen = list(kinds)
     if FLAGS.schedule:
         try:
-            faults = schedule_lib.parse(FLAGS.schedule)
+            faults = schedule_lib.parse(
+                FLAGS.schedule,
+                schedule_lib.ps_mirrored(FLAGS.train_flags))
         except ValueError as e:
             raise UserError(f"--schedule: {e}") from None
         chosen = [f.kind for f in faults]

@@ -45,6 +45,7 @@ class Chief(WorkerRole):
         self._gone = None             # the chief we took over from
         self._claimed = False         # the role is ours: we beat
         self._serve_again = False     # the ps done without is back
+        self._bridge = None           # our beat while we connect again
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
@@ -55,13 +56,14 @@ class Chief(WorkerRole):
         # until ours lands: a start slow on a starved host (a restore, the
         # summary writer, the callables) must not look like a lost chief.
         self._claimed = False
-        with takeover.ChiefBeat(self._beat, self.taking_over and
-                                self.taking_over.claim,
+        bridge, self._bridge = self._bridge, None
+        with takeover.ChiefBeat(self._beat, (self.taking_over and
+                                             self.taking_over.claim) or bridge,
                                 ours=lambda: self._claimed):
             step = self._claim_and_start(logdir)
             writer = self._ready(step, logdir)
             with self._membership_watch(writer) as watch, \
-                    self._round_deadlines(), self._ps_watch():
+                    self._round_deadlines(), serving.chief_watch(self):
                 self._wait_for_workers(self.config.min_workers)
                 outcome = progress.drive(
                     self._step_runner(logdir),
@@ -105,6 +107,14 @@ class Chief(WorkerRole):
         ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
 
+    def _connect(self) -> None:
+        # Connecting again as the chief (a ps lost or back): our beat goes
+        # on meanwhile, from a session of its own, until our own lands.
+        if self.epoch is not None and self._bridge is None:
+            self._bridge = takeover.OwnBeat(self.server.target, self.task,
+                                            self.config).start()
+        super()._connect()
+
     def _ready(self, step: int, logdir: pathlib.Path):
         """Tells the workers to go; returns the run's summary writer."""
         self.session.run(self.g.chief.mark_ready_op)
@@ -130,18 +140,14 @@ class Chief(WorkerRole):
             on_unreachable=lambda step, who: ending.on_ps0_silent(
                 self, step, who), chief=self.k)
 
-    def _ps_watch(self):
-        """With --ps_mirrors: a ps gone down is done without at once; one
-        done without that answers again is taken back at a step boundary
-        (serving.py)."""
-        if not serving.mirrored(self.config, self.task):
-            return contextlib.nullcontext()
-
-        def back():
-            self._serve_again = True
+    def serve_again(self) -> None:
+        """The ps done without answers again: halt at the next step
+        boundary, then connect with it (serving.py). Any thread."""
+        self._serve_again = True
+        try:
             self.session.run(self.g.chief.halt_op)
-        return serving.PsWatch(self.task, self.g.ps_down, lambda k: (
-            self.reconnect(f"ps {k} refuses connections")), back)
+        except Exception:  # noqa: BLE001 (the run has failed: it connects)
+            pass
 
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""

@@ -12,11 +12,14 @@ builds its graph alike. A push from a graph built otherwise is refused
 (trainer/sync/transport.py), so its worker connects again and follows.
 
 While a ps is done without, the chief looks at its port every second; once
-it answers (the ps was started again), the chief halts at the next step
-boundary and connects with every ps: the ps is refilled from the copies
-(`Refill.after_restart`) and takes its shards back.
+it answers (started again, or its link back), the chief halts at the next
+step boundary and connects with every ps: every variable on that ps is
+set from the copies, whatever it holds (`Refill.take_back`), and it
+serves its shards again. A chief that takes over does the same for a ps
+its predecessor did without, which `sync/ps_down` names.
 """
 
+import contextlib
 import time
 
 from absl import logging
@@ -24,7 +27,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread
+from trainer.roles.background import BackgroundThread, ThreadCall
 from trainer.sync import mirrors
 from trainer.sync import state as state_lib
 
@@ -54,24 +57,33 @@ class Ps0Reader:
             self._down_set = tf.raw_ops.VarIsInitializedOp(
                 resource=down.handle)
             self._down = down.read_value()
-        self._session = tf.compat.v1.Session(
+        self._open = lambda: tf.compat.v1.Session(
             target, graph=graph,
             config=devices.session_config(config, task, ps_tasks=[0]))
+        self._session = self._open()
         self._options = tf.compat.v1.RunOptions(timeout_in_ms=READ_MS)
 
+    def _run(self, tensor):
+        """Raises tf.errors.OpError if ps 0 does not answer; the next
+        read then opens a new session (ps 0 may have been started
+        again, which an old session cannot use)."""
+        try:
+            return self._session.run(tensor, options=self._options)
+        except tf.errors.OpError:
+            # Its close may wait on a ps 0 that is gone: not for long.
+            ThreadCall(self._session.close, "reader-close").done(1.0)
+            self._session = self._open()
+            raise
+
     def holds_run(self) -> bool:
-        return bool(self._session.run(self._held, options=self._options))
+        return bool(self._run(self._held))
 
     def ps_down(self) -> int | None:
         """The ps the chief's graph does without, or None."""
-        run = lambda t: self._session.run(t, options=self._options)
-        if not run(self._down_set):
+        if not self._run(self._down_set):
             return None
-        down = int(run(self._down))
+        down = int(self._run(self._down))
         return None if down == state_lib.NO_PS_DOWN else down
-
-    def close(self) -> None:
-        self._session.close()
 
 
 def _like(name: str) -> tf.Variable:
@@ -150,6 +162,15 @@ class PsWatch(BackgroundThread):
             return False
         return True
 
+
+def chief_watch(chief):
+    """The chief's PsWatch (trainer/roles/chief.py), a context manager:
+    a ps gone down is done without at once, one done without that answers
+    again is taken back at a step boundary."""
+    if not mirrored(chief.config, chief.task):
+        return contextlib.nullcontext()
+    return PsWatch(chief.task, chief.g.ps_down, lambda k: chief.reconnect(
+        f"ps {k} refuses connections"), chief.serve_again)
 
 
 def mirrored(config, task) -> bool:

@@ -48,28 +48,44 @@ class TakeOver(Exception):
         self.reason, self.claim = reason, claim
 
 
-class Claim:
-    """A worker's claim of the chief's role on a session of its own, with
-    a beat until `handed_over()`: made before the worker builds the
-    chief's graph. epoch, lost: as `claim` returns them; previous: the
-    worker index of the chief it replaces. ps_down: the ps the worker's
-    graph does without (trainer/roles/serving.py), or None."""
+class OwnBeat:
+    """The chief's beat on a session of our own (the lock's alone), until
+    `handed_over()`, when the chief's own beat has landed (ChiefBeat): for
+    a chief that connects again (a ps lost or back: its graph is built
+    again, which a starved host takes long over), so that no worker takes
+    over from it meanwhile."""
 
-    def __init__(self, target: str, task, config, index: int,
-                 ps_down: int | None = None):
-        self._session, lock = lock_session(
-            target, task, config,
-            epoch_copy_device(config, task.cluster.num_ps, ps_down))
-        self.previous = int(self._session.run(lock.recorded)[INDEX])
-        self.epoch, self.lost = claim(self._session, lock, index,
-                                      config.worker_timeout_secs)
-        self._beat = ChiefBeat(lambda: self._session.run(lock.beat))
+    def __init__(self, target: str, task, config,
+                 copy_device: str | None = None):
+        self._session, self.lock = lock_session(target, task, config,
+                                                copy_device)
+        self._beat = ChiefBeat(lambda: self._session.run(self.lock.beat))
+
+    def start(self) -> "OwnBeat":
         self._beat.start()
+        return self
 
     def handed_over(self) -> None:
         """The chief's own beat runs now: this one stops."""
         self._beat.stop()
         self._session.close()
+
+
+class Claim(OwnBeat):
+    """A worker's claim of the chief's role, with a beat until
+    `handed_over()`: made before the worker builds the chief's graph.
+    epoch, lost: as `claim` returns them; previous: the worker index of
+    the chief it replaces. ps_down: the ps the worker's graph does
+    without (trainer/roles/serving.py), or None."""
+
+    def __init__(self, target: str, task, config, index: int,
+                 ps_down: int | None = None):
+        super().__init__(target, task, config, epoch_copy_device(
+            config, task.cluster.num_ps, ps_down))
+        self.previous = int(self._session.run(self.lock.recorded)[INDEX])
+        self.epoch, self.lost = claim(self._session, self.lock, index,
+                                      config.worker_timeout_secs)
+        self.start()
 
 
 def lock_session(target: str, task, config, copy_device: str | None):

@@ -47,11 +47,12 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
     reference = checker.checkpoint_values(run_lib.reference_logdir(
         setup, out, [], timeout=flags.run_secs))
     rows = []
+    mirrored = schedule_lib.ps_mirrored(flags.train_flags)
     with _hosts(flags.hosts == "simulated") as sim:
         for i in range(flags.schedules):
             seed = flags.seed + i
             if flags.schedule:
-                faults = schedule_lib.parse(flags.schedule)
+                faults = schedule_lib.parse(flags.schedule, mirrored)
             elif flags.covering:
                 faults = schedule_lib.covering(
                     seed, setup.workers, flags.train_steps, kinds,
@@ -60,7 +61,7 @@ def run_all(setup: run_lib.Setup, kinds, out, flags, judge, out_when,
                 faults = schedule_lib.draw(
                     seed, setup.workers, flags.train_steps, flags.faults,
                     kinds, flags.max_fault_secs, flags.chief_faults,
-                    setup.ps if flags.ps_faults else 0)
+                    setup.ps if flags.ps_faults else 0, mirrored)
             started = time.monotonic()
             outcome = run_lib.run_schedule(
                 setup, faults, out / f"schedule-{seed}", sim,

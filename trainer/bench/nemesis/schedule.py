@@ -9,9 +9,11 @@ SIGTERM is not among the chief's faults: it stops the whole run on
 purpose (a checkpoint, then every task; the launcher's Ctrl-C), and a
 term drawn for a worker that does the chief's work by then is not sent
 (trainer/bench/nemesis/cluster.py). With `ps=True` one fault hits a
-ps task: a kill is always undone by a restart (a ps lost for good ends
-the run until it is back: its shards exist nowhere else), and term is
-not drawn.
+ps task: a kill is undone by a restart (a ps lost for good ends the run
+until it is back: its shards exist nowhere else), but with --ps_mirrors
+(`lost_for_good`) a ps other than ps 0 may stay down as a worker may
+(the run goes on without it: trainer/roles/serving.py); term is not
+drawn.
 """
 
 import dataclasses
@@ -58,9 +60,16 @@ class Fault:
         return f"{self.kind} {self.task} @{self.at_step} ({lasting})"
 
 
+def ps_mirrored(train_flags: list[str]) -> bool:
+    """Whether the runs train with --ps_mirrors."""
+    return any(f in ("--ps_mirrors", "--ps_mirrors=true")
+               for f in train_flags)
+
+
 def draw(seed: int, workers: int, train_steps: int, faults: int,
          kinds=KINDS, max_secs: float | None = None,
-         chief: bool = False, ps: int = 0) -> list[Fault]:
+         chief: bool = False, ps: int = 0,
+         lost_for_good: bool = False) -> list[Fault]:
     """`faults` faults of random kinds on workers 1..workers-1 (0 too with
     `chief`, at least once, by a kind of CHIEF_KINDS; and the last one
     on one of `ps` ps tasks, by a kind of PS_KINDS), sorted by step, none
@@ -80,10 +89,12 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
         fault = _one(rng, rng.choice(ps_kinds), workers, train_steps,
                      max_secs)
         secs = fault.secs
-        if secs is None:  # a ps killed comes back
+        if secs is None:  # drawn alike either way: a seed's schedule stays
             secs = round(rng.uniform(*DURATION[KILL]), 1)
-        drawn[-1] = dataclasses.replace(fault, task=f"ps{rng.randrange(ps)}",
-                                        secs=secs)
+        index = rng.randrange(ps)
+        if fault.secs is None and lost_for_good and index > 0:
+            secs = None
+        drawn[-1] = dataclasses.replace(fault, task=f"ps{index}", secs=secs)
     return _sorted(drawn)
 
 
@@ -119,10 +130,11 @@ def _sorted(faults: list[Fault]) -> list[Fault]:
     return sorted(faults, key=lambda f: (f.at_step, f.task, f.kind))
 
 
-def parse(text: str) -> list[Fault]:
+def parse(text: str, lost_for_good: bool = False) -> list[Fault]:
     """A hand-written schedule: "kind:task:step:secs" items, comma
     separated ("never" for secs: not undone), e.g. "cut:worker1:100:30".
-    Raises ValueError naming the item and the form."""
+    lost_for_good: a ps other than ps 0 may be killed for good
+    (--ps_mirrors). Raises ValueError naming the item and the form."""
     faults = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         parts = item.split(":")
@@ -133,24 +145,25 @@ def parse(text: str) -> list[Fault]:
         except ValueError:
             raise ValueError(f"bad fault {item!r}; write kind:task:step:secs"
                              ", e.g. cut:worker1:100:30") from None
-        if not _allowed(fault):
+        if not _allowed(fault, lost_for_good):
             raise ValueError(f"bad fault {item!r}: the kind is one of "
                              f"{', '.join(KINDS)} and the task worker0, "
                              f"worker1, ... (worker0, the chief: "
                              f"{', '.join(CHIEF_KINDS)}), or ps0, ps1, "
                              f"... ({', '.join(PS_KINDS)}; a kill comes "
-                             "back)")
+                             "back, but for a ps other than ps 0 with "
+                             "--ps_mirrors)")
         faults.append(fault)
     return _sorted(faults)
 
 
-
-def _allowed(fault: Fault) -> bool:
+def _allowed(fault: Fault, lost_for_good: bool) -> bool:
     job = fault.task.rstrip("0123456789")
     index = fault.task[len(job):]
     if fault.kind not in KINDS or not index.isdigit():
         return False
     if job == "ps":
-        return fault.kind in PS_KINDS and fault.secs is not None
+        return fault.kind in PS_KINDS and (fault.secs is not None or (
+            lost_for_good and fault.kind == KILL and int(index) > 0))
     return job == "worker" and (fault.task != CHIEF
                                 or fault.kind in CHIEF_KINDS)
