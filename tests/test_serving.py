@@ -91,3 +91,30 @@ def test_the_ps_watch_sees_a_ps_go_down_and_come_back():
             assert watch.run_once() is False and seen[-1] == "back"
     finally:
         listening.close()
+
+
+def test_graphs_without_a_ps_are_built_beforehand_once_and_kept():
+    """serving.Graphs: prebuild builds each graph the task may switch to,
+    once, on a thread; a switch takes it and keeps the one it leaves."""
+    import types
+    task = make_task(make_cluster(("ps0:1", "ps1:1", "ps2:1"), ("w0:1",),
+                                  "test"), "worker", 0, "test")
+    built = []
+
+    def build(ps_down):
+        built.append(ps_down)
+        return types.SimpleNamespace(ps_down=ps_down)
+
+    graphs = serving.Graphs(task, TrainConfig(logdir="unused",
+                                              ps_mirrors=True), build)
+    full = types.SimpleNamespace(ps_down=None)
+    graphs.prebuild(full)
+    without_2 = graphs.switch(full, 2)
+    assert without_2.ps_down == 2 and sorted(built) == [1, 2]
+    graphs.prebuild(without_2)   # nothing left to build
+    assert graphs.switch(without_2, None) is full
+    assert graphs.switch(full, 2) is without_2
+    assert sorted(built) == [1, 2]
+    plain = serving.Graphs(task, TrainConfig(logdir="unused"), build)
+    plain.prebuild(full)
+    assert sorted(built) == [1, 2]   # without mirrors: nothing

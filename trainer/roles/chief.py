@@ -62,6 +62,7 @@ class Chief(WorkerRole):
                                 ours=lambda: self._claimed):
             step = self._claim_and_start(logdir)
             writer = self._ready(step, logdir)
+            self.graphs.prebuild(self.g)
             with self._membership_watch(writer) as watch, \
                     self._round_deadlines(), serving.chief_watch(self):
                 self._wait_for_workers(self.config.min_workers)

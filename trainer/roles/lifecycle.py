@@ -86,6 +86,12 @@ class WorkerRole(abc.ABC):
         self.g = graph or worker_graph.build_worker(
             config, task, len(mnist.train_labels),
             max(len(mnist.test_labels), 1), self.train_steps, as_chief)
+        # With --ps_mirrors, the graphs without a ps (serving.py).
+        self.graphs = serving.Graphs(task, config, lambda ps_down: (
+            worker_graph.build_worker(
+                config, task, len(mnist.train_labels),
+                max(len(mnist.test_labels), 1), self.train_steps, as_chief,
+                ps_down)))
 
     @abc.abstractmethod
     def run_connected(self) -> None:
@@ -146,11 +152,7 @@ class WorkerRole(abc.ABC):
                 self.g.chief is not None)
         if down != self.g.ps_down:
             self._warmed = None
-            self.g = serving.rebuild(self.task, self.g, down, lambda d: (
-                worker_graph.build_worker(
-                    self.config, self.task, len(self.mnist.train_labels),
-                    max(len(self.mnist.test_labels), 1), self.train_steps,
-                    self.g.chief is not None, d)))
+            self.g = self.graphs.switch(self.g, down)
         wait_for_ps(self.task, timeout,
                     only=serving.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None

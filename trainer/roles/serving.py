@@ -212,18 +212,57 @@ def choose(target: str, task, config, as_chief: bool) -> tuple:
     return down, (before if before not in (None, down) else None)
 
 
-def rebuild(task, graph, down: int | None, build):
-    """build(down): the graph that serves the shards without ps `down`
-    (None: with every ps), saying so."""
-    if down is None:
-        logging.warning("every ps serves its own shards again (ps %d is "
-                        "back): building the graph with it", graph.ps_down)
-    else:
-        logging.warning(
-            "ps %d is down: building the graph that serves its shards from "
-            "their copies on ps %d", down,
-            mirrors.copy_task(down, task.cluster.num_ps))
-    return build(down)
+class Graphs:
+    """A task's graphs by the ps they do without (None: every ps serves):
+    the one it leaves is kept for its way back, and the others are built
+    beforehand, one at a time on a thread, once the task is in the run:
+    a starved host takes long to build a graph, and would stand still
+    as long when a ps goes down."""
+
+    def __init__(self, task, config, build):
+        """build(ps_down) -> a WorkerGraph."""
+        self._task, self._build = task, build
+        self._mirrored = mirrored(config, task)
+        self._calls = {}   # ps_down -> ThreadCall of build(ps_down)
+
+    def prebuild(self, current) -> None:
+        """With --ps_mirrors, starts building, on one thread, a graph
+        without each ps but ps 0 (and one with every ps) that is neither
+        `current`'s nor built yet. Call it once in the run."""
+        if not self._mirrored:
+            return
+        wanted = [d for d in [None, *range(1, self._task.cluster.num_ps)]
+                  if d != current.ps_down and d not in self._calls]
+        if wanted:
+            built = ThreadCall(lambda: {d: self._build(d) for d in wanted},
+                               "graphs-without-a-ps")
+            for d in wanted:
+                self._calls[d] = built
+
+    def switch(self, current, down: int | None):
+        """The graph without ps `down` (None: with every ps), saying so;
+        `current` is kept."""
+        if down is None:
+            logging.warning("every ps serves its own shards again (ps %d is "
+                            "back): connecting with it", current.ps_down)
+        else:
+            logging.warning(
+                "ps %d is down: serving its shards from their copies on "
+                "ps %d", down, mirrors.copy_task(down,
+                                                 self._task.cluster.num_ps))
+        call = self._calls.pop(down, None)
+        self._calls[current.ps_down] = _Done({current.ps_down: current})
+        return call.result()[down] if call else self._build(down)
+
+
+class _Done:
+    """A ThreadCall that has ended with `value`."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
 
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:

@@ -138,6 +138,7 @@ class Worker(WorkerRole):
         logging.info("worker %d joined at global step %d", self.k,
                      max(int(token[0]), 0))
         self.in_the_run.set()
+        self.graphs.prebuild(self.g)
         return token
 
     def leave(self) -> None:
