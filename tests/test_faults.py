@@ -263,7 +263,7 @@ def test_ps_killed_the_run_goes_on_without_it_then_takes_it_back(
             "worker0", r"goes on from the state on the ps tasks at step "
                        r"(\d+)").group(1))
         assert down_at >= 120
-        c.wait_for("worker1", r"ps 1 is down: building the graph")
+        c.wait_for("worker1", r"ps 1 is down: serving its shards")
         # Both workers train while ps 1 is down: 40 more steps, then the
         # chief is held while ps 1 starts again, so that the run cannot
         # end before it is taken back.
