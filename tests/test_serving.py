@@ -93,7 +93,8 @@ def test_the_ps_watch_sees_a_ps_go_down_and_come_back():
         listening.close()
 
 
-def test_graphs_without_a_ps_are_built_beforehand_once_and_kept():
+def test_graphs_without_a_ps_are_built_beforehand_once_and_kept(
+        monkeypatch):
     """serving.Graphs: prebuild builds each graph the task may switch to,
     once, on a thread; a switch takes it and keeps the one it leaves."""
     import types
@@ -105,10 +106,12 @@ def test_graphs_without_a_ps_are_built_beforehand_once_and_kept():
         built.append(ps_down)
         return types.SimpleNamespace(ps_down=ps_down)
 
+    monkeypatch.setattr(serving, "PREBUILD_AFTER_SECS", 0.0)
     graphs = serving.Graphs(task, TrainConfig(logdir="unused",
                                               ps_mirrors=True), build)
     full = types.SimpleNamespace(ps_down=None)
     graphs.prebuild(full)
+    assert graphs._calls[2].done(30)   # the one thread built both
     without_2 = graphs.switch(full, 2)
     assert without_2.ps_down == 2 and sorted(built) == [1, 2]
     graphs.prebuild(without_2)   # nothing left to build

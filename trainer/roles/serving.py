@@ -33,6 +33,7 @@ from trainer.sync import state as state_lib
 
 PROBE_SECS = 1.0   # how often the chief looks at a ps that is down
 READ_MS = 5000     # the most a read of ps 0 waits
+PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
 
 
 class ServeAgain(Exception):
@@ -234,8 +235,13 @@ class Graphs:
         wanted = [d for d in [None, *range(1, self._task.cluster.num_ps)]
                   if d != current.ps_down and d not in self._calls]
         if wanted:
-            built = ThreadCall(lambda: {d: self._build(d) for d in wanted},
-                               "graphs-without-a-ps")
+            def build_all():
+                # Not at once: the task's own start (its loop placed, its
+                # callables made) holds the interpreter long on a starved
+                # host, and a build beside it would delay the chief's beat.
+                time.sleep(PREBUILD_AFTER_SECS)
+                return {d: self._build(d) for d in wanted}
+            built = ThreadCall(build_all, "graphs-without-a-ps")
             for d in wanted:
                 self._calls[d] = built
 
@@ -252,7 +258,9 @@ class Graphs:
                                                  self._task.cluster.num_ps))
         call = self._calls.pop(down, None)
         self._calls[current.ps_down] = _Done({current.ps_down: current})
-        return call.result()[down] if call else self._build(down)
+        if call and call.done(0):   # else build now: it may not have begun
+            return call.result()[down]
+        return self._build(down)
 
 
 class _Done:
@@ -260,6 +268,9 @@ class _Done:
 
     def __init__(self, value):
         self._value = value
+
+    def done(self, timeout=None) -> bool:
+        return True
 
     def result(self):
         return self._value
