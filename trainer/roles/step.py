@@ -86,8 +86,11 @@ class ChiefStep:
         parts, rule, step = self.parts, self.rule, own[0]
         pushed = pull_compute_push(parts, own)
         with tf.device(parts.shared.shard_devices[0]):
+            # A round planned is a beat: a chief whose loop runs is alive,
+            # also while a starved host keeps its beat thread waiting.
+            beat = rule.lock.beat_op() if rule.lock else tf.no_op()
             # Admit: wait until every member pushed (or one left).
-            with tf.control_dependencies([pushed]):
+            with tf.control_dependencies([pushed, beat]):
                 verdict = rule.admit(step, own[1])
 
             def apply_step():

@@ -16,8 +16,8 @@ would plan, admit or apply as soon as its link returns. So:
   its loop ends at its next check. Two claims at once are ordered by the
   queue: the later wins; the earlier chief's first write is refused.
 - `sync/chief` (int64 [3]: epoch, the chief's worker index, beats) is what
-  the others read: who the chief is, and whether it is alive (its
-  membership watch adds a beat at every check).
+  the others read: who the chief is, and whether it is alive (its beat
+  thread adds a beat twice a second, and its loop one per round planned).
 - A lock lost: a chief killed between a take and its put leaves the queue
   empty, and that write may be half done across the ps tasks. A claim that
   waits --worker_timeout_secs in vain concludes that, and the new chief
@@ -109,9 +109,15 @@ class ChiefLock:
         self.recorded = self.record.read_value()
         self.is_recorded = tf.raw_ops.VarIsInitializedOp(
             resource=self.record.handle)
-        self.beat = tf.raw_ops.ResourceScatterAdd(
-            resource=self.record.handle, indices=[BEATS],
-            updates=tf.constant([1], tf.int64))
+        self.beat = self.beat_op()
+
+    def beat_op(self) -> tf.Operation:
+        """Adds a beat to the record (a new op: one inside a loop's body
+        runs at every iteration)."""
+        with tf.device(self.device):
+            return tf.raw_ops.ResourceScatterAdd(
+                resource=self.record.handle, indices=[BEATS],
+                updates=tf.constant([1], tf.int64))
 
 
 def _unsaved(name: str, shape: list) -> tf.Variable:
