@@ -160,6 +160,29 @@ def test_ps_killed_and_restarted(cluster, tmp_path, reference):
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
+def _mirrored_cluster(tmp_path, data, timeout_secs: int):
+    """2 ps with --ps_mirrors and 2 workers (not started)."""
+    return helpers.ManualCluster(
+        tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
+        f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
+        f"--worker_timeout_secs={timeout_secs}")
+
+
+def _kill_ps_outside_a_write(c, ps: int) -> None:
+    """Starts every task and kills ps `ps` at step 120 or later, worker 1
+    left frozen (SIGCONT it): with equal slices the chief then waits for
+    its push, outside any write, which a ps killed inside would leave
+    half done (the chief would restore a checkpoint instead)."""
+    for i in (0, 1):
+        c.start("ps", i)
+    for k in (0, 1):
+        c.start("worker", k)
+    c.wait_for("worker0", r"step 120/")
+    os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
+    time.sleep(2)
+    c.kill(f"ps{ps}")
+
+
 @pytest.mark.parametrize("ps", [0, 1])
 def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
         tmp_path, data, reference, ps):
@@ -167,22 +190,9 @@ def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
     started again is refilled from the copies on the other (ps 0's own
     step from its copy on ps 1); nothing is restored, no step is trained
     again, and the run ends as the one without a fault."""
-    c = helpers.ManualCluster(
-        tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
-        f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
-        "--worker_timeout_secs=60")
+    c = _mirrored_cluster(tmp_path, data, 60)
     try:
-        for i in (0, 1):
-            c.start("ps", i)
-        for k in (0, 1):
-            c.start("worker", k)
-        c.wait_for("worker0", r"step 120/")
-        # With worker 1 frozen and equal slices, the chief waits for its
-        # push, outside any write: a ps killed inside one would leave it
-        # half done, and the chief would restore a checkpoint instead.
-        os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
-        time.sleep(2)
-        c.kill(f"ps{ps}")
+        _kill_ps_outside_a_write(c, ps)
         time.sleep(1)
         c.start("ps", ps)
         os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
@@ -243,21 +253,9 @@ def test_ps_killed_the_run_goes_on_without_it_then_takes_it_back(
     on while it is down, its shards served by their copies on ps 0, with
     nothing restored. Started again, ps 1 is refilled and serves again;
     the run ends as the one without a fault."""
-    c = helpers.ManualCluster(
-        tmp_path, 2, 2, *FLAGS, f"--data_dir={data}", "--nodownload",
-        f"--logdir={tmp_path / 'logs'}", "--ps_mirrors", "--slices=equal",
-        "--worker_timeout_secs=20")
+    c = _mirrored_cluster(tmp_path, data, 20)
     try:
-        for i in (0, 1):
-            c.start("ps", i)
-        for k in (0, 1):
-            c.start("worker", k)
-        c.wait_for("worker0", r"step 120/")
-        # With worker 1 frozen and equal slices, the chief waits for its
-        # push, outside any write (a write cut short is restored).
-        os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
-        time.sleep(2)
-        c.kill("ps1")
+        _kill_ps_outside_a_write(c, 1)
         os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
         down_at = int(c.wait_for(
             "worker0", r"goes on from the state on the ps tasks at step "
