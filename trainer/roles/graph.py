@@ -130,8 +130,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
     default; any worker's that takes over its work), or another's.
     ps_down: a ps this graph does without, its shards served by their
     copies (--ps_mirrors; never ps 0), or None."""
-    cluster, k = task.cluster, task.task_index
-    num_ps = cluster.num_ps
+    cluster, k, num_ps = task.cluster, task.task_index, task.cluster.num_ps
     as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
     with graph.as_default():
@@ -139,31 +138,20 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                         cluster.num_ps)
         with tf.compat.v1.device(devices.variable_placement(cluster.num_ps,
                                                             k)):
-            flat = params_lib.FlatParams(
-                layout, mirrors_lib.served_by_copies(ps_down, num_ps))
-            shard_devices = [
-                devices.ps_device(mirrors_lib.serving_task(i, ps_down, num_ps))
-                for i in flat.ps_indices]
-            shared = state_lib.SharedState(
-                cluster.num_workers, flat.sizes, shard_devices, train_steps,
-                fixed_point.DTYPE if config.deterministic else tf.float32,
-                ps_down)
+            flat, shared = _parameters_and_state(config, cluster, layout,
+                                                 train_steps, ps_down)
             turns = pull_turns_lib.PullTurns(
-                cluster.num_workers, shard_devices, config.ordered_pulls)
+                cluster.num_workers, shared.shard_devices,
+                config.ordered_pulls)
             coord = coordination.RunCoordination(
                 shared, turns, fingerprint(config, task, train_steps),
                 chief=k if as_chief else 0)
             lock = chief_lock.ChiefLock(
-                shard_devices[0],
+                shared.shard_devices[0],
                 takeover.epoch_copy_device(config, num_ps, ps_down))
             epoch = lock.loop_epoch
-            with tf.device(devices.worker_device(k)):
-                trainset = batches.InGraphTrainSet(
-                    num_train_examples, config.seed, config.batch_size,
-                    (0, config.batch_size))
-                start_token = tf.compat.v1.placeholder(
-                    tf.int64, [state_lib.TOKEN_SIZE], "start_token")
-                num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
+            trainset, start_token, num_steps = _loop_inputs(
+                config, k, num_train_examples)
             parts = step_lib.StepParts(
                 config, k, flat, shared,
                 transport_lib.Transport(shared, config.wire_dtype), turns,
@@ -191,6 +179,35 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                             chief, lock, ps_down)
         graph.finalize()
     return g
+
+
+def _loop_inputs(config: TrainConfig, k: int,
+                 num_train_examples: int) -> tuple:
+    """On worker k: its training set in the graph, and the loop's feeds
+    (the start token, int64 [4]; at most how many steps, int64 [])."""
+    with tf.device(devices.worker_device(k)):
+        trainset = batches.InGraphTrainSet(
+            num_train_examples, config.seed, config.batch_size,
+            (0, config.batch_size))
+        start_token = tf.compat.v1.placeholder(
+            tf.int64, [state_lib.TOKEN_SIZE], "start_token")
+        num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
+    return trainset, start_token, num_steps
+
+
+def _parameters_and_state(config: TrainConfig, cluster, layout: list,
+                          train_steps: int, ps_down: int | None) -> tuple:
+    """(FlatParams, SharedState) of the shard layout, each shard on the
+    ps that serves it: its own, or its copy's while that one is down."""
+    num_ps = cluster.num_ps
+    flat = params_lib.FlatParams(
+        layout, mirrors_lib.served_by_copies(ps_down, num_ps))
+    shard_devices = [
+        devices.ps_device(mirrors_lib.serving_task(i, ps_down, num_ps))
+        for i in flat.ps_indices]
+    return flat, state_lib.SharedState(
+        cluster.num_workers, flat.sizes, shard_devices, train_steps,
+        fixed_point.DTYPE if config.deterministic else tf.float32, ps_down)
 
 
 def _mirrors(config: TrainConfig, num_ps: int, parts: step_lib.StepParts,
@@ -252,8 +269,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         tf.constant(0), [], "shutdown_status")
     transient = state_lib.transient_variables()
     pairs = mirrors.pairs(optimizer) if mirrors else []
-    copies = [copy for _, copy in pairs] + ([mirrors.begun] if mirrors
-                                            else [])
+    copies = [c for _, c in pairs] + ([mirrors.begun] if mirrors else [])
     saver, checkpoint_shapes = checkpoint_saver(  # copies: not saved
         flat, transient + copies, optimizer, config.keep_checkpoints)
     values = [v.read_value() for v in flat.variables]
@@ -278,14 +294,13 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         issued_round=shared.issued_round.read_value(),
         lost_in=lost_in, lost_op=shared.send_event(state_lib.LOST, lost_in),
         deadlines=deadlines, late_in=late_in, late_op=late_op,
-        halt_op=coord.halt_op(), end_op=coord.end_op(),
-        saver=saver, checkpoint_shapes=checkpoint_shapes,
+        halt_op=coord.halt_op(), end_op=coord.end_op(), saver=saver,
+        checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),
         take_finished=take_finished, contributions=contributions,
         by_step=by_step, record_from=record_from,
-        set_record_from=set_record_from,
-        stop_reason_in=stop_reason_in,
+        set_record_from=set_record_from, stop_reason_in=stop_reason_in,
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=coord.shutdown_ops(
             [i for i in range(num_ps) if i != shared.ps_down_here],
