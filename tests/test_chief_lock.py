@@ -11,7 +11,11 @@ import tensorflow as tf
 from tests import helpers
 from trainer.roles import takeover
 from trainer.roles.background import ThreadCall
+from trainer.sync import averaging
 from trainer.sync import chief_lock
+from trainer.sync import coordination
+from trainer.sync import pull_turns
+from trainer.sync import state
 
 
 @pytest.fixture
@@ -241,3 +245,40 @@ def test_no_beat_before_the_role_is_claimed(monkeypatch):
         while "handed over" not in events and time.monotonic() < deadline:
             time.sleep(0.01)
     assert events[:2] == ["beat", "handed over"]
+
+
+def test_a_deposed_chiefs_halt_is_refused():
+    """The halt is shared on ps 0: a chief deposed while out of reach,
+    which calls its halt when it comes back (a ps it did without answers
+    again, SIGTERM), must not end its successor's loop."""
+    ports = helpers.free_ports(2)
+    spec = tf.train.ClusterSpec({"worker": [f"localhost:{ports[0]}"],
+                                 "ps": [f"localhost:{ports[1]}"]})
+    server = tf.distribute.Server(spec, "worker", 0)
+    tf.distribute.Server(spec, "ps", 0)
+    ps = "/job:ps/task:0"
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(ps):
+        shared = state.SharedState(2, [5, 3], [ps, ps])
+        turns = pull_turns.PullTurns(2, [ps, ps], False)
+        lock = chief_lock.ChiefLock(ps)
+        rule = averaging.Averaging(shared, 64, 0, "equal", turns, lock=lock,
+                                   epoch=lock.loop_epoch)
+        halt = coordination.RunCoordination(shared, turns, "").halt_op(
+            rule.guarded)
+        halted = shared.halt.read_value()
+        unhalt = shared.halt.assign(0)
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(server.target, graph=graph) as session:
+        session.run(init)
+        first, _ = takeover.claim(session, lock, 0, wait_secs=1)
+        assert session.run(halt, {lock.loop_epoch: first}) == 0
+        assert session.run(halted) == 1
+        session.run(unhalt)   # as the next chief's start does
+        second, _ = takeover.claim(session, lock, 1, wait_secs=1)
+        assert session.run(halt, {lock.loop_epoch: first}) == (
+            coordination.NOT_HALTED)
+        assert session.run(halted) == 0
+        assert session.run(halt, {lock.loop_epoch: second}) == 0
+        assert session.run(halted) == 1
+        assert session.run(lock.size) == 1

@@ -145,10 +145,7 @@ class Chief(WorkerRole):
         """The ps done without answers again: halt at the next step
         boundary, then connect with it (serving.py). Any thread."""
         self._serve_again = True
-        try:
-            self.session.run(self.g.chief.halt_op)
-        except Exception:  # noqa: BLE001 (the run has failed: it connects)
-            pass
+        ending.halt_loop(self, self.session)
 
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
@@ -187,12 +184,7 @@ class Chief(WorkerRole):
                 return
             self.halt_reason = reason
             session = self.session
-        try:
-            at = session.run(self.g.chief.halt_op)
-            logging.warning("%s at global step %d: stopping at the next "
-                            "step boundary", reason, at)
-        except Exception as e:  # noqa: BLE001 (the loop then fails anyway)
-            logging.warning("could not halt the training loop: %s", e)
+        ending.halt_loop(self, session, reason)
 
     def _step_runner(self, logdir: pathlib.Path):
         """(start, count) -> loop outputs; a halted or stopped loop saves

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from trainer.common.tf_session import error_summary
 from trainer.roles.lifecycle import POLL_SECS
+from trainer.sync import coordination
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
 
@@ -88,3 +89,33 @@ def on_ps0_silent(chief, step: int | None, who: str) -> None:
     chief.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
                   "stopped; start every task again with the same flags "
                   "to continue from the last checkpoint")
+
+
+def halt_loop(chief, session, reason: str | None = None) -> None:
+    """Sets the halt: the chief's loop ends at the next step boundary
+    (Chief.halt, Chief.serve_again; any thread). Refused where another
+    worker claimed the role since this chief's claim (chief_lock.py):
+    the halt is shared, and a chief deposed while out of reach must not
+    end its successor's loop. The lock may be lost: the wait is bounded.
+    reason: what to log, or None to log nothing."""
+    ops = chief.g.chief
+    if chief.epoch is None:   # not claimed yet: the loop has not begun
+        if reason:
+            logging.warning("%s before training began: stopping", reason)
+        return
+    try:
+        at = int(session.run(ops.halt_op, {ops.epoch: chief.epoch},
+                             options=tf.compat.v1.RunOptions(timeout_in_ms=(
+                                 int(chief.config.worker_timeout_secs
+                                     * 1000)))))
+    except Exception as e:  # noqa: BLE001 (the run has failed: it ends)
+        if reason:
+            logging.warning("could not halt the training loop: %s",
+                            error_summary(e))
+        return
+    if reason and at == coordination.NOT_HALTED:
+        logging.warning("%s, but another worker is the chief now: its "
+                        "training goes on", reason)
+    elif reason:
+        logging.warning("%s at global step %d: stopping at the next step "
+                        "boundary", reason, at)

@@ -83,8 +83,9 @@ class ChiefOps:
     deadlines: tuple | None           # take_deadlines; None: no deadlines
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
-    halt_op: tf.Tensor                # ends the loop at a step boundary;
-                                      # int64 []: the global step then
+    halt_op: tf.Tensor                # ends the loop at a step boundary
+                                      # (feed epoch); int64 []: the global
+                                      # step then, or NOT_HALTED
     end_op: tf.Operation              # the final step to every worker
     epoch: tf.Tensor                  # feed int64 []: this chief's epoch
     saver: tf.compat.v1.train.Saver
@@ -294,8 +295,8 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         issued_round=shared.issued_round.read_value(),
         lost_in=lost_in, lost_op=shared.send_event(state_lib.LOST, lost_in),
         deadlines=deadlines, late_in=late_in, late_op=late_op,
-        halt_op=coord.halt_op(), end_op=coord.end_op(), saver=saver,
-        checkpoint_shapes=checkpoint_shapes,
+        halt_op=coord.halt_op(rule.guarded), end_op=coord.end_op(),
+        saver=saver, checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,
         param_values=flat.unflatten(values),
         take_finished=take_finished, contributions=contributions,

@@ -26,6 +26,8 @@ from trainer.sync import queues
 from trainer.sync import state as state_lib
 from trainer.sync.state import JOINED, REJOIN, STOP
 
+NOT_HALTED = -1   # halt_op's answer to a deposed chief
+
 
 def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
     """The queue ps task `ps_index` waits on before it exits (Shutdown,
@@ -92,9 +94,10 @@ class RunCoordination:
     def start_op(self) -> tf.Operation:
         """Run by the chief after init, restore or taking over, before
         marking ready: forgets the events, the stop and the halt of a
-        previous chief, says which ps its graph does without, makes itself the only one in the roster, lets
-        through any pull that waits for a turn, and asks every worker
-        still running to join again (REJOIN)."""
+        previous chief, says which ps its graph does without, makes
+        itself the only one in the roster, lets through any pull that
+        waits for a turn, and asks every worker still running to join
+        again (REJOIN)."""
         with tf.device(self.device):
             s = self.shared
             reset = [s.events.dequeue_many(s.events.size())[0].op,
@@ -121,13 +124,22 @@ class RunCoordination:
             final = self.shared.global_step.read_value()
             return self.shared.give_all(state_lib.token(final), self.chief)
 
-    def halt_op(self) -> tf.Tensor:
+    def halt_op(self, guarded) -> tf.Tensor:
         """Ends the chief's training loop at the next step boundary;
-        returns the global step when it was set (int64 [])."""
-        with tf.device(self.device):
+        returns the global step when it was set, or NOT_HALTED where a
+        newer chief holds the lock (int64 []).
+
+        guarded(write, refused): the rule's (Averaging.guarded). A chief
+        deposed while it was out of reach may call its halt when it comes
+        back (a ps it did without answers again, SIGTERM); the halt is
+        shared, so unguarded it would end the new chief's loop."""
+        def write():
             halted = self.shared.halt.assign(1, read_value=False)
             with tf.control_dependencies([halted]):
                 return self.shared.global_step.read_value()
+
+        with tf.device(self.device):
+            return guarded(write, lambda: tf.constant(NOT_HALTED, tf.int64))
 
     def take_reports(self) -> tuple:
         """The end-of-run reports queued so far, without waiting: (workers
