@@ -226,10 +226,25 @@ class ManualCluster:
             if self.processes[name].poll() is not None:
                 raise AssertionError(
                     f"{name} exited with {self.processes[name].returncode} "
-                    f"before /{pattern}/:\n{self.log(name)[-3000:]}")
+                    f"before /{pattern}/:\n{self.log(name)[-3000:]}"
+                    f"{self.story()}")
             time.sleep(0.1)
         raise AssertionError(f"{name}: no /{pattern}/ in {timeout} s:\n"
-                             f"{self.log(name)[-3000:]}")
+                             f"{self.log(name)[-3000:]}{self.story()}")
+
+    def story(self, lines: int = 30) -> str:
+        """Each task's warnings and errors, and the chief's decisions
+        (the last `lines` of each): what a failed wait shows beside the
+        tail of one log, as CI keeps nothing else."""
+        import re
+        told = re.compile(r"^[WE]\d{4} |(chief|mirrors|serving|takeover)"
+                          r"\.py:\d+\]")
+        out = []
+        for name in sorted(self.processes):
+            kept = [line[:240] for line in self.log(name).splitlines()
+                    if told.search(line)]
+            out.append(f"\n--- {name}:\n" + "\n".join(kept[-lines:]))
+        return "".join(out)
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a machine that loses power."""

@@ -168,11 +168,12 @@ def _mirrored_cluster(tmp_path, data, timeout_secs: int):
         f"--worker_timeout_secs={timeout_secs}")
 
 
-def _kill_ps_outside_a_write(c, ps: int) -> None:
+def _kill_ps_outside_a_write(c, ps: int, hold_chief: bool = False) -> None:
     """Starts every task and kills ps `ps` at step 120 or later, worker 1
     left frozen (SIGCONT it): with equal slices the chief then waits for
     its push, outside any write, which a ps killed inside would leave
-    half done (the chief would restore a checkpoint instead)."""
+    half done (the chief would restore a checkpoint instead).
+    hold_chief: the chief is frozen too, before the kill (SIGCONT it)."""
     for i in (0, 1):
         c.start("ps", i)
     for k in (0, 1):
@@ -180,6 +181,8 @@ def _kill_ps_outside_a_write(c, ps: int) -> None:
     c.wait_for("worker0", r"step 120/")
     os.killpg(c.processes["worker1"].pid, signal.SIGSTOP)
     time.sleep(2)
+    if hold_chief:
+        os.killpg(c.processes["worker0"].pid, signal.SIGSTOP)
     c.kill(f"ps{ps}")
 
 
@@ -192,10 +195,14 @@ def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
     again, and the run ends as the one without a fault."""
     c = _mirrored_cluster(tmp_path, data, 60)
     try:
-        _kill_ps_outside_a_write(c, ps)
-        time.sleep(1)
+        # The chief is held until the ps answers again (for less than
+        # --worker_timeout_secs): else it could find ps 1 silent and do
+        # without it (the next test).
+        _kill_ps_outside_a_write(c, ps, hold_chief=True)
         c.start("ps", ps)
-        os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
+        helpers.wait_until_listening(c.ps_hosts.split(",")[ps], 40)
+        for k in (0, 1):
+            os.killpg(c.processes[f"worker{k}"].pid, signal.SIGCONT)
         c.wait_for("worker0", rf"refilled /job:ps/task:{ps} from the "
                               r"mirrors: nothing restored")
         went_on = int(c.wait_for(
@@ -253,7 +260,7 @@ def test_ps_killed_the_run_goes_on_without_it_then_takes_it_back(
     on while it is down, its shards served by their copies on ps 0, with
     nothing restored. Started again, ps 1 is refilled and serves again;
     the run ends as the one without a fault."""
-    c = _mirrored_cluster(tmp_path, data, 20)
+    c = _mirrored_cluster(tmp_path, data, 60)
     try:
         _kill_ps_outside_a_write(c, 1)
         os.killpg(c.processes["worker1"].pid, signal.SIGCONT)
@@ -264,12 +271,13 @@ def test_ps_killed_the_run_goes_on_without_it_then_takes_it_back(
         c.wait_for("worker1", r"ps 1 is down: serving its shards")
         # Both workers train while ps 1 is down: 40 more steps, then the
         # chief is held while ps 1 starts again, so that the run cannot
-        # end before it is taken back.
+        # end before it is taken back; for less than --worker_timeout_secs,
+        # or worker 1 would take over its work.
         c.wait_for("worker0", rf"step {(down_at // 20 + 2) * 20}/")
         os.killpg(c.processes["worker0"].pid, signal.SIGSTOP)
         assert c.processes["ps1"].poll() is not None
         c.start("ps", 1)
-        helpers.wait_until_listening(c.ps_hosts.split(",")[1], 60)
+        helpers.wait_until_listening(c.ps_hosts.split(",")[1], 40)
         os.killpg(c.processes["worker0"].pid, signal.SIGCONT)
         c.wait_for("worker0", r"refilled /job:ps/task:1 from the mirrors: "
                               r"nothing restored")
