@@ -6,12 +6,13 @@ ps, and a worker that pushes to it until told to start a new session.
 TIMEOUT: --worker_timeout_secs for give_up_silent_connections, or 0 to
 leave gRPC's options as TensorFlow has them. The worker prints "pushing"
 once its pushes go through, then reads a line from stdin, opens a new
-session and prints "new session: ok" or "new session: failed: <error>".
+session and prints how its push went (_new_session).
 """
 
 import os
 import sys
 import threading
+import time
 
 import tensorflow as tf
 
@@ -47,14 +48,27 @@ def main(role: str, ps: str, worker: str, timeout: float) -> None:
                      daemon=True).start()
     sys.stdin.readline()
     threading.Thread(target=session.close, daemon=True).start()
-    fresh = tf.compat.v1.Session(server.target, graph=graph)
-    try:
-        fresh.run(push)
-        print("new session: ok", flush=True)
-    except tf.errors.OpError as e:
-        print("new session: failed: " + " ".join(e.message.split())[:300],
-              flush=True)
+    print(_new_session(server.target, graph, push), flush=True)
     os._exit(0)  # the old session may still hang on the cut connection
+
+
+def _new_session(target, graph, push) -> str:
+    """Pushes from a new session; once more after a reset (a connection
+    its far end closed during the cut is found dead at its first use, at
+    once, as a trainer's reconnect would find it). Returns the line to
+    print: "new session: ok, R reset(s), S s" or "new session: failed:
+    <error>"."""
+    started, resets = time.monotonic(), 0
+    while True:
+        try:
+            tf.compat.v1.Session(target, graph=graph).run(push)
+            return (f"new session: ok, {resets} reset(s), "
+                    f"{time.monotonic() - started:.1f} s")
+        except tf.errors.OpError as e:
+            message = " ".join(e.message.split())
+            if resets or "Connection reset by peer" not in message:
+                return "new session: failed: " + message[:300]
+            resets += 1
 
 
 def _push_forever(session, push) -> None:
