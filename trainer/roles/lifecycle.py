@@ -83,15 +83,17 @@ class WorkerRole(abc.ABC):
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
+        sizes = (len(mnist.train_labels), max(len(mnist.test_labels), 1))
         self.g = graph or worker_graph.build_worker(
-            config, task, len(mnist.train_labels),
-            max(len(mnist.test_labels), 1), self.train_steps, as_chief)
-        # With --ps_mirrors, the graphs without a ps (serving.py).
-        self.graphs = serving.Graphs(task, config, lambda ps_down: (
-            worker_graph.build_worker(
-                config, task, len(mnist.train_labels),
-                max(len(mnist.test_labels), 1), self.train_steps, as_chief,
-                ps_down)))
+            config, task, *sizes, self.train_steps, as_chief)
+        # With --ps_mirrors, the graphs without a ps (serving.py); the
+        # chief's are warmed beforehand.
+        self.graphs = serving.Graphs(
+            task, config, lambda ps_down: worker_graph.build_worker(
+                config, task, *sizes, self.train_steps, as_chief, ps_down),
+            warm=(lambda g, ps_down: takeover.warm(
+                config, task, server, g, serving.ps_tasks(task, ps_down)))
+            if as_chief else None)
 
     @abc.abstractmethod
     def run_connected(self) -> None:
@@ -147,12 +149,10 @@ class WorkerRole(abc.ABC):
         down = self.take_back = None
         if serving.mirrored(self.config, self.task):
             wait_for_ps(self.task, timeout, only=[0])
-            down, self.take_back = serving.choose(
-                self.server.target, self.task, self.config,
-                self.g.chief is not None)
+            down, self.take_back = self.graphs.choose(
+                self.server.target, self.g.chief is not None)
         if down != self.g.ps_down:
-            self._warmed = None
-            self.g = self.graphs.switch(self.g, down)
+            self.g, self._warmed = self.graphs.switch(self.g, down)
         wait_for_ps(self.task, timeout,
                     only=serving.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
@@ -166,6 +166,7 @@ class WorkerRole(abc.ABC):
         if self.g.chief:
             self.g.chief.testset_init(self.session, self.mnist.test_images,
                                       self.mnist.test_labels)
+        self.graphs.connected()
 
     def _check_reconnectable(self, error: Exception) -> None:
         """Re-raises `error` unless it is a lost ps worth reconnecting

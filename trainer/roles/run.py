@@ -21,7 +21,6 @@ from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
-from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.worker import Worker
 
 
@@ -101,30 +100,9 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
         # The variables the loop reads exist once the chief took us in.
         if not joined:
             return mnist, graph, None
-        return mnist, graph, _warmed(config, task, worker.server, graph)
+        return mnist, graph, takeover.warm(config, task, worker.server, graph)
 
     return ThreadCall(build, "spare-chief")
-
-
-def _warmed(config: TrainConfig, task: Task, server,
-            graph: worker_graph.WorkerGraph) -> takeover.Warmed | None:
-    """A session on the spare chief's graph whose loop is made and placed
-    on every task by a run of 0 steps (it only reads), or None if that
-    failed (a ps lost meanwhile): the takeover then does it."""
-    session = tf.compat.v1.Session(
-        server.target, graph=graph.graph,
-        config=devices.session_config(config, task))
-    epoch = {graph.chief.epoch: -1}   # no chief's: the loop writes nothing
-    try:
-        loop = make_callable(session, graph.loop_outputs,
-                             [graph.start_token, graph.num_steps], epoch)
-        loop(lifecycle.token_of(0), 0)
-    except tf.errors.OpError as e:
-        logging.info("the spare chief's loop was not placed: %s",
-                     error_summary(e))
-        session.close()
-        return None
-    return takeover.Warmed(session, loop, epoch)
 
 
 def _take_over(config: TrainConfig, task: Task, server, worker: Worker,

@@ -20,6 +20,7 @@ its predecessor did without, which `sync/ps_down` names.
 """
 
 import contextlib
+import threading
 import time
 
 from absl import logging
@@ -99,7 +100,7 @@ def chief_choice(task, config, reader: Ps0Reader) -> int | None:
     """The ps the chief does without, or None (wait for every ps, as
     without mirrors): one ps other than ps 0 that does not answer, while
     ps 0 holds a run and every other ps answers."""
-    if not config.ps_mirrors or task.cluster.num_ps < 2:
+    if not mirrored(config, task):
         return None
     silent = [i for i in range(task.cluster.num_ps)
               if not port_open(task, i)]
@@ -192,62 +193,90 @@ def changed(error: Exception) -> bool:
             and state_lib.SERVING_CHANGED in str(error))
 
 
-_readers = {}   # (target, worker) -> Ps0Reader: one per process
-
-
-def choose(target: str, task, config, as_chief: bool) -> tuple:
-    """(the ps to do without now, or None; a ps the last chief did
-    without that the chief now uses, or None). A worker follows the
-    chief's choice, and takes nothing back."""
-    key = (target, task.task_index)
-    if key not in _readers:
-        _readers[key] = Ps0Reader(target, task, config)
-    reader = _readers[key]
-    if not as_chief:
-        return worker_choice(task, reader, config.startup_timeout_secs), None
-    try:
-        before = reader.ps_down()
-    except tf.errors.OpError:
-        before = None
-    down = chief_choice(task, config, reader)
-    return down, (before if before not in (None, down) else None)
-
-
 class Graphs:
-    """A task's graphs by the ps they do without (None: every ps serves):
-    the one it leaves is kept for its way back, and the others are built
-    beforehand, one at a time on a thread, once the task is in the run:
-    a starved host takes long to build a graph, and would stand still
-    as long when a ps goes down."""
+    """A task's graphs by the ps they do without (None: every ps serves),
+    and which to use at each connect (`choose`). The one it leaves is
+    kept for its way back, and the others are built beforehand on a
+    thread, once the task is in the run: a starved host takes long to
+    build a graph, and would stand still as long when a ps goes down.
+    The chief's graphs without a ps are warmed too: a session on each,
+    its loop placed on every task (takeover.warm), which takes as long."""
 
-    def __init__(self, task, config, build):
-        """build(ps_down) -> a WorkerGraph."""
-        self._task, self._build = task, build
+    def __init__(self, task, config, build, warm=None):
+        """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
+        takeover.Warmed or None (the chief's), or None not to warm."""
+        self._task, self._config, self._build = task, config, build
+        self._warm = warm
         self._mirrored = mirrored(config, task)
-        self._calls = {}   # ps_down -> ThreadCall of build(ps_down)
+        self._lock = threading.Lock()
+        self._built = {}    # ps_down -> WorkerGraph
+        self._warmed = {}   # ps_down -> takeover.Warmed, of this era
+        # Connects so far: a session warmed before the last one may use a
+        # ps started again since, so each connect closes the warmed ones.
+        self._era = 0
+        self._reader = None   # a Ps0Reader, from the first choice on
 
-    def prebuild(self, current) -> None:
-        """With --ps_mirrors, starts building, on one thread, a graph
-        without each ps but ps 0 (and one with every ps) that is neither
-        `current`'s nor built yet. Call it once in the run."""
+    def choose(self, target: str, as_chief: bool) -> tuple:
+        """(the ps to do without now, or None; a ps the last chief did
+        without that the chief now uses, or None). A worker follows the
+        chief's choice, and takes nothing back."""
+        if self._reader is None:
+            self._reader = Ps0Reader(target, self._task, self._config)
+        reader, task, config = self._reader, self._task, self._config
+        if not as_chief:
+            return worker_choice(task, reader,
+                                 config.startup_timeout_secs), None
+        try:
+            before = reader.ps_down()
+        except tf.errors.OpError:
+            before = None
+        down = chief_choice(task, config, reader)
+        return down, (before if before not in (None, down) else None)
+
+    def prebuild(self, current) -> ThreadCall | None:
+        """With --ps_mirrors, PREBUILD_AFTER_SECS later on a thread (which
+        it returns): builds a graph without each ps but ps 0, and one with
+        every ps (those not built yet), and, serving with every ps, warms
+        those without one. Call it at each connect, once in the run."""
         if not self._mirrored:
-            return
+            return None
+        with self._lock:
+            self._built[current.ps_down] = current
+            era = self._era
         wanted = [d for d in [None, *range(1, self._task.cluster.num_ps)]
-                  if d != current.ps_down and d not in self._calls]
-        if wanted:
-            def build_all():
-                # Not at once: the task's own start (its loop placed, its
-                # callables made) holds the interpreter long on a starved
-                # host, and a build beside it would delay the chief's beat.
-                time.sleep(PREBUILD_AFTER_SECS)
-                return {d: self._build(d) for d in wanted}
-            built = ThreadCall(build_all, "graphs-without-a-ps")
-            for d in wanted:
-                self._calls[d] = built
+                  if d != current.ps_down]
 
-    def switch(self, current, down: int | None):
-        """The graph without ps `down` (None: with every ps), saying so;
-        `current` is kept."""
+        def build_all():
+            # Not at once: the task's own start (its loop placed, its
+            # callables made) holds the interpreter long on a starved
+            # host, and a build beside it would delay the chief's beat.
+            time.sleep(PREBUILD_AFTER_SECS)
+            for d in wanted:
+                graph = self._graph(d)
+                if self._warm and d is not None and current.ps_down is None:
+                    self._keep(d, era, self._warm(graph, d))
+
+        return ThreadCall(build_all, "graphs-without-a-ps")
+
+    def _graph(self, down: int | None):
+        with self._lock:
+            graph = self._built.get(down)
+        if graph is None:   # built outside the lock: it takes long
+            graph = self._build(down)
+            with self._lock:
+                graph = self._built.setdefault(down, graph)
+        return graph
+
+    def _keep(self, down: int, era: int, warmed) -> None:
+        with self._lock:
+            if warmed is not None and era == self._era:
+                self._warmed[down], warmed = warmed, None
+        if warmed is not None:   # a connect came meanwhile
+            _close(warmed.session)
+
+    def switch(self, current, down: int | None) -> tuple:
+        """(the graph without ps `down` (None: with every ps), a Warmed
+        session on it or None), saying so; `current` is kept."""
         if down is None:
             logging.warning("every ps serves its own shards again (ps %d is "
                             "back): connecting with it", current.ps_down)
@@ -256,24 +285,23 @@ class Graphs:
                 "ps %d is down: serving its shards from their copies on "
                 "ps %d", down, mirrors.copy_task(down,
                                                  self._task.cluster.num_ps))
-        call = self._calls.pop(down, None)
-        self._calls[current.ps_down] = _Done({current.ps_down: current})
-        if call and call.done(0):   # else build now: it may not have begun
-            return call.result()[down]
-        return self._build(down)
+        with self._lock:
+            self._built[current.ps_down] = current
+            warmed = self._warmed.pop(down, None)
+        return self._graph(down), warmed
+
+    def connected(self) -> None:
+        """A connect is done: the sessions warmed before it are closed."""
+        with self._lock:
+            self._era += 1
+            stale, self._warmed = list(self._warmed.values()), {}
+        for warmed in stale:
+            _close(warmed.session)
 
 
-class _Done:
-    """A ThreadCall that has ended with `value`."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def done(self, timeout=None) -> bool:
-        return True
-
-    def result(self):
-        return self._value
+def _close(session) -> None:
+    """Closes `session`, waiting at most a second (a ps may be gone)."""
+    ThreadCall(session.close, "warm-close").done(1.0)
 
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:

@@ -27,10 +27,12 @@ import time
 from typing import Callable
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
+from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.background import BackgroundThread
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
@@ -267,6 +269,29 @@ class Warmed:
     session: tf.compat.v1.Session
     loop: Callable
     epoch: dict
+
+
+def warm(config, task, server, graph,
+         ps_tasks: list[int] | None = None) -> Warmed | None:
+    """A session on a chief's graph (a spare chief's, or one without a ps:
+    trainer/roles/serving.py) whose loop is made and placed on every task
+    by a run of 0 steps (it only reads), or None if that failed (a ps
+    lost meanwhile): the connect then does it. ps_tasks: those the graph
+    uses (None: every one)."""
+    session = tf.compat.v1.Session(
+        server.target, graph=graph.graph,
+        config=devices.session_config(config, task, ps_tasks))
+    epoch = {graph.chief.epoch: -1}   # no chief's: the loop writes nothing
+    try:
+        loop = make_callable(session, graph.loop_outputs,
+                             [graph.start_token, graph.num_steps], epoch)
+        loop(np.zeros(4, np.int64), 0)   # step 0's token
+    except tf.errors.OpError as e:
+        logging.info("a chief's loop was not placed beforehand: %s",
+                     error_summary(e))
+        session.close()
+        return None
+    return Warmed(session, loop, epoch)
 
 
 def epoch_copy_device(config, num_ps: int,
