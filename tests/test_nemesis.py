@@ -1,4 +1,4 @@
-"""The nemesis: its schedules, its checker, and three short schedules that
+"""The nemesis: its schedules, its checker, and two short schedules that
 cover every fault kind on simulated hosts (trainer/nemesis.py)."""
 
 import datetime
@@ -314,9 +314,10 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
 
 
 @pytest.mark.hosts
-def test_three_short_schedules_cover_every_fault_kind(tmp_path):
+def test_two_short_schedules_cover_every_fault_kind(tmp_path):
     """The suite's nemesis: every fault kind on 4 workers, with
-    --deterministic; each schedule judged by the whole checker (every
+    --deterministic, twice (CI's time: the long runs are in
+    docs/nemesis.md); each schedule judged by the whole checker (every
     variable bit for bit the 1-worker run's, each step's average,
     statuses, rejoins, cleanup)."""
     from trainer.bench.simhosts import hosts
@@ -331,7 +332,7 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
     out = tmp_path / "nemesis"
     result = subprocess.run(
         [sys.executable, "-m", "trainer.nemesis", "--covering",
-         "--schedules=3", "--seed=1", "--workers=4", "--train_steps=300",
+         "--schedules=2", "--seed=1", "--workers=4", "--train_steps=300",
          "--max_fault_secs=15", "--deterministic", f"--data_dir={data}",
          f"--out={out}"],
         capture_output=True, text=True, timeout=720, cwd=helpers.REPO,
@@ -340,7 +341,7 @@ def test_three_short_schedules_cover_every_fault_kind(tmp_path):
     rows = json.loads((out / "nemesis.json").read_text())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[
         -3000:]
-    assert len(rows) == 3 and all(r["passed"] for r in rows)
+    assert len(rows) == 2 and all(r["passed"] for r in rows)
     assert all(r["difference"] == 0 for r in rows)
     kinds = {f.split()[0] for r in rows for f in r["faults"]}
     assert kinds == set(schedule.KINDS)
