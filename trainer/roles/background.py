@@ -12,6 +12,8 @@ import abc
 import threading
 from typing import Callable
 
+QUICK_CLOSE_SECS = 1.0   # closing a session whose runs failed: clean-up only
+
 
 class BackgroundThread(abc.ABC):
     """A daemon thread, named `name` (in stack dumps), that calls
@@ -93,3 +95,11 @@ class ThreadCall:
         if "error" in self._box:
             raise self._box["error"]
         return self._box["value"]
+
+
+def close_within(session, secs: float = QUICK_CLOSE_SECS) -> bool:
+    """Closes a session on a thread of its own, waiting at most `secs`:
+    with a peer cut off or gone, a close can block as long as TCP or gRPC
+    retries it. Whether it ended in time (its error, if any, is dropped:
+    the peer may be gone already)."""
+    return ThreadCall(session.close, "session-close").done(secs)

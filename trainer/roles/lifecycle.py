@@ -20,7 +20,7 @@ from trainer.cluster import ports
 from trainer.observe import tracing
 from trainer.roles import serving
 from trainer.roles import takeover
-from trainer.roles.background import ThreadCall
+from trainer.roles.background import QUICK_CLOSE_SECS, close_within
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
@@ -34,7 +34,6 @@ class RunEnded(Exception):
 
 POLL_SECS = 0.25           # how often to look for a ps or the chief
 CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
-QUICK_CLOSE_SECS = 1.0     # closing after a failed run: clean-up only
 PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
 
 # Errors a task sees when a ps task died or restarted (connection refused,
@@ -210,17 +209,11 @@ class WorkerRole(abc.ABC):
         logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
     def close_session(self, deadline: float = CLOSE_DEADLINE_SECS) -> None:
-        """Closes the session, waiting at most CLOSE_DEADLINE_SECS: with a
-        peer cut off or gone, the close can block as long as TCP or gRPC
-        retries it, and nothing else would end it (the watchdog stops with
-        the run). Past the deadline the close goes on, or not, on a daemon
-        thread, and this worker goes on without that session."""
+        """Closes the session, waiting at most `deadline` (close_within);
+        past it, this worker goes on without that session."""
         with self._lock:
             session, self.session = self.session, None
-        if session is None:
-            return
-        # An error of the close is dropped: the ps may be gone already.
-        if not ThreadCall(session.close, "session-close").done(deadline):
+        if session is not None and not close_within(session, deadline):
             logging.warning("the old session did not close within %.0f s "
                             "(a peer cut off or gone); going on without it",
                             deadline)

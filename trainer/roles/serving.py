@@ -28,7 +28,8 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread, ThreadCall
+from trainer.roles.background import (BackgroundThread, ThreadCall,
+                                      close_within)
 from trainer.sync import mirrors
 from trainer.sync import state as state_lib
 
@@ -72,8 +73,7 @@ class Ps0Reader:
         try:
             return self._session.run(tensor, options=self._options)
         except tf.errors.OpError:
-            # Its close may wait on a ps 0 that is gone: not for long.
-            ThreadCall(self._session.close, "reader-close").done(1.0)
+            close_within(self._session)   # ps 0 may be gone
             self._session = self._open()
             raise
 
@@ -272,7 +272,7 @@ class Graphs:
             if warmed is not None and era == self._era:
                 self._warmed[down], warmed = warmed, None
         if warmed is not None:   # a connect came meanwhile
-            _close(warmed.session)
+            close_within(warmed.session)
 
     def switch(self, current, down: int | None) -> tuple:
         """(the graph without ps `down` (None: with every ps), a Warmed
@@ -296,12 +296,7 @@ class Graphs:
             self._era += 1
             stale, self._warmed = list(self._warmed.values()), {}
         for warmed in stale:
-            _close(warmed.session)
-
-
-def _close(session) -> None:
-    """Closes `session`, waiting at most a second (a ps may be gone)."""
-    ThreadCall(session.close, "warm-close").done(1.0)
+            close_within(warmed.session)
 
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:

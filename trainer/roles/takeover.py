@@ -33,7 +33,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.common.tf_session import error_summary, make_callable
-from trainer.roles.background import BackgroundThread
+from trainer.roles.background import BackgroundThread, close_within
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
@@ -70,7 +70,7 @@ class OwnBeat:
     def handed_over(self) -> None:
         """The chief's own beat runs now: this one stops."""
         self._beat.stop()
-        self._session.close()
+        close_within(self._session)
 
 
 class Claim(OwnBeat):
