@@ -233,6 +233,10 @@ class WorkerRole(abc.ABC):
         else:
             fixed = {self.g.chief.epoch: None} if self.g.chief else {}
             loop = self.callable(self.g.loop_outputs, feeds, fixed)
+            if not self.g.chief:
+                # Its first run (0 steps: it only reads) before we join,
+                # so that our first round waits for nothing more.
+                loop(token_of(0), 0)
         if self.g.chief:  # the chief's loop writes only in its epoch
             fixed[self.g.chief.epoch] = self.epoch
         if self.config.trace_range() is None:

@@ -14,8 +14,7 @@ from trainer.observe import tracing
 from trainer.roles import takeover
 from trainer.roles import watchdog as watchdog_lib
 from trainer.saving import storage
-from trainer.roles.lifecycle import (POLL_SECS, WorkerRole, poll_until,
-                                     token_of)
+from trainer.roles.lifecycle import POLL_SECS, WorkerRole, poll_until
 from trainer.sync import state
 
 JOIN_AGAIN_SECS = 5.0
@@ -28,11 +27,7 @@ class Worker(WorkerRole):
         end (or the chief's STOP)."""
         h = self.g.handles
         self._wait_for_chief()
-        loop = self.loop_callable()
-        # Build and place the loop on every device before joining (no step
-        # runs: 0 steps), so that our first round is not held up by it.
-        self.callable(self.g.loop_outputs,
-                      [self.g.start_token, self.g.num_steps])(token_of(0), 0)
+        loop = self.loop_callable()   # placed on every task beforehand
         with self._watchdog() as dog, self._chief_watch():
             token = self._join(dog)
             while True:
