@@ -275,9 +275,10 @@ def warm(config, task, server, graph,
          ps_tasks: list[int] | None = None) -> Warmed | None:
     """A session on a chief's graph (a spare chief's, or one without a ps:
     trainer/roles/serving.py) whose loop is made and placed on every task
-    by a run of 0 steps (it only reads), or None if that failed (a ps
-    lost meanwhile): the connect then does it. ps_tasks: those the graph
-    uses (None: every one)."""
+    by a run of 0 steps (it only reads), and the reads of the chief's
+    start made once, or None if that failed (a ps lost meanwhile): the
+    connect then does it. ps_tasks: those the graph uses (None: every
+    one)."""
     session = tf.compat.v1.Session(
         server.target, graph=graph.graph,
         config=devices.session_config(config, task, ps_tasks))
@@ -286,12 +287,28 @@ def warm(config, task, server, graph,
         loop = make_callable(session, graph.loop_outputs,
                              [graph.start_token, graph.num_steps], epoch)
         loop(np.zeros(4, np.int64), 0)   # step 0's token
+        _place_start_reads(session, graph)
     except tf.errors.OpError as e:
         logging.info("a chief's loop was not placed beforehand: %s",
                      error_summary(e))
-        session.close()
+        close_within(session)
         return None
     return Warmed(session, loop, epoch)
+
+
+def _place_start_reads(session, graph) -> None:
+    """Runs the reads of the chief's start (chief.py _claim_and_start)
+    once: a session keeps each run's placement, which a starved host
+    takes seconds to make. A variable not set yet (a spare chief before
+    the run's start) fails the read, and the placement is kept all the
+    same."""
+    for fetch in (graph.lock.recorded, graph.chief.uninitialized,
+                  graph.handles.global_step, graph.chief.contributions,
+                  graph.handles.round):
+        try:
+            session.run(fetch)
+        except tf.errors.FailedPreconditionError:
+            pass
 
 
 def epoch_copy_device(config, num_ps: int,
