@@ -46,6 +46,7 @@ class Chief(WorkerRole):
         self._claimed = False         # the role is ours: we beat
         self._serve_again = False     # the ps done without is back
         self._bridge = None           # our beat while we connect again
+        self._graph_written = False   # into the summaries, at our start
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
@@ -121,7 +122,11 @@ class Chief(WorkerRole):
         self.session.run(self.g.chief.mark_ready_op)
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
-        writer = summaries.summary_writer(str(logdir), self.g.graph)
+        # The graph once: a connect again (a ps lost or back) would
+        # serialize it anew, which a starved host takes seconds over.
+        graph, self._graph_written = (
+            None if self._graph_written else self.g.graph), True
+        writer = summaries.summary_writer(str(logdir), graph)
         summaries.write_run_card(writer, step, dataclasses.asdict(
             self.config), self.task.cluster.as_dict())
         return writer
