@@ -150,7 +150,9 @@ class WorkerRole(abc.ABC):
             wait_for_ps(self.task, timeout, only=[0])
             down, self.take_back = self.graphs.choose(
                 self.server.target, self.g.chief is not None)
-        if down != self.g.ps_down:
+        if down != self.g.ps_down:   # a session warmed on g is of no use
+            if self._warmed:
+                close_within(self._warmed.session)
             self.g, self._warmed = self.graphs.switch(self.g, down)
         wait_for_ps(self.task, timeout,
                     only=serving.ps_tasks(self.task, down))
