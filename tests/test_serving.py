@@ -4,7 +4,6 @@ run's graph holds, a push from a graph built otherwise than the chief's
 is refused, and the chief's watch on the ps ports."""
 
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -91,69 +90,3 @@ def test_the_ps_watch_sees_a_ps_go_down_and_come_back():
             assert watch.run_once() is False and seen[-1] == "back"
     finally:
         listening.close()
-
-
-def test_graphs_without_a_ps_are_built_beforehand_once_and_kept(
-        monkeypatch):
-    """serving.Graphs: prebuild builds each graph the task may switch to,
-    once, on a thread, and warms those without a ps; a switch takes a
-    graph with its warmed session and keeps the one it leaves; a connect
-    closes the sessions warmed before it."""
-    import types
-    task = make_task(make_cluster(("ps0:1", "ps1:1", "ps2:1"), ("w0:1",),
-                                  "test"), "worker", 0, "test")
-    built, closed = [], []
-
-    def build(ps_down):
-        built.append(ps_down)
-        return types.SimpleNamespace(ps_down=ps_down)
-
-    def warm(graph, ps_down):
-        session = types.SimpleNamespace(
-            close=lambda: closed.append(ps_down))
-        return types.SimpleNamespace(session=session, ps_down=ps_down)
-
-    monkeypatch.setattr(serving, "PREBUILD_AFTER_SECS", 0.0)
-    config = TrainConfig(logdir="unused", ps_mirrors=True)
-    graphs = serving.Graphs(task, config, build, warm)
-    full = types.SimpleNamespace(ps_down=None)
-    graphs.prebuild(full).result()   # the one thread built both
-    without_2, warmed = graphs.switch(full, 2)
-    assert (without_2.ps_down, warmed.ps_down) == (2, 2)
-    assert sorted(built) == [1, 2]
-    graphs.connected()
-    assert closed == [1]   # warmed before this connect
-    graphs.prebuild(without_2).result()   # nothing to build or warm
-    assert graphs.switch(without_2, None) == (full, None)
-    assert graphs.switch(full, 2) == (without_2, None)
-    assert sorted(built) == [1, 2] and closed == [1]
-    plain = serving.Graphs(task, TrainConfig(logdir="unused"), build)
-    assert plain.prebuild(full) is None   # without mirrors: nothing
-
-
-def test_a_session_warmed_across_a_connect_is_closed(monkeypatch):
-    """A connect while a graph is being warmed: its session may use a ps
-    started again since, so it is closed, not kept for a switch."""
-    import threading
-    import types
-    task = make_task(make_cluster(("ps0:1", "ps1:1"), ("w0:1",), "test"),
-                     "worker", 0, "test")
-    warming, go_on, closed = threading.Event(), threading.Event(), []
-
-    def warm(graph, ps_down):
-        warming.set()
-        assert go_on.wait(30)
-        return types.SimpleNamespace(session=types.SimpleNamespace(
-            close=lambda: closed.append(ps_down)))
-
-    monkeypatch.setattr(serving, "PREBUILD_AFTER_SECS", 0.0)
-    graphs = serving.Graphs(
-        task, TrainConfig(logdir="unused", ps_mirrors=True),
-        lambda ps_down: types.SimpleNamespace(ps_down=ps_down), warm)
-    thread = graphs.prebuild(types.SimpleNamespace(ps_down=None))
-    assert warming.wait(30)
-    graphs.connected()
-    go_on.set()
-    thread.result()
-    assert closed == [1]
-    assert graphs.switch(types.SimpleNamespace(ps_down=None), 1)[1] is None

@@ -21,7 +21,7 @@ from trainer.roles import ending
 from trainer.roles import membership
 from trainer.roles import serving
 from trainer.roles import takeover
-from trainer.roles.lifecycle import POLL_SECS, WorkerRole, poll_until, token_of
+from trainer.roles.lifecycle import WorkerRole, poll_until, token_of
 from trainer.saving import checkpoints
 from trainer.saving import storage
 from trainer.saving import export

@@ -19,6 +19,7 @@ from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
 from trainer.roles import serving
+from trainer.roles import standby
 from trainer.roles import takeover
 from trainer.roles.background import QUICK_CLOSE_SECS, close_within
 from trainer.roles import graph as worker_graph
@@ -87,12 +88,12 @@ class WorkerRole(abc.ABC):
             config, task, *sizes, self.train_steps, as_chief)
         # With --ps_mirrors, the graphs without a ps (serving.py); the
         # chief's are warmed beforehand.
-        self.graphs = serving.Graphs(
+        self.graphs = standby.Graphs(
             task, config, lambda ps_down: worker_graph.build_worker(
                 config, task, *sizes, self.train_steps, as_chief, ps_down),
-            warm=(lambda g, ps_down: takeover.warm(
-                config, task, server, g, serving.ps_tasks(task, ps_down)))
-            if as_chief else None)
+            lambda g, ps_down: takeover.warm(
+                config, task, server, g, serving.ps_tasks(task, ps_down)),
+            ahead=as_chief)
 
     @abc.abstractmethod
     def run_connected(self) -> None:

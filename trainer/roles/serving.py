@@ -10,6 +10,8 @@ their copies, and it says so in `sync/ps_down` on ps 0 at its start. The
 other workers follow: each reads `sync/ps_down` when it connects and
 builds its graph alike. A push from a graph built otherwise is refused
 (trainer/sync/transport.py), so its worker connects again and follows.
+The graphs a task may switch to are built, and warmed, beforehand
+(trainer/roles/standby.py).
 
 While a ps is done without, the chief looks at its port every second; once
 it answers (started again, or its link back), the chief halts at the next
@@ -20,7 +22,6 @@ its predecessor did without, which `sync/ps_down` names.
 """
 
 import contextlib
-import threading
 import time
 
 from absl import logging
@@ -28,14 +29,11 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import (BackgroundThread, ThreadCall,
-                                      close_within)
-from trainer.sync import mirrors
+from trainer.roles.background import BackgroundThread, close_within
 from trainer.sync import state as state_lib
 
 PROBE_SECS = 1.0   # how often the chief looks at a ps that is down
 READ_MS = 5000     # the most a read of ps 0 waits
-PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
 
 
 class ServeAgain(Exception):
@@ -113,9 +111,12 @@ def chief_choice(task, config, reader: Ps0Reader) -> int | None:
     return silent[0] if held else None
 
 
-def worker_choice(task, reader: Ps0Reader, timeout: float) -> int | None:
+def worker_choice(task, reader: Ps0Reader, timeout: float,
+                  expect=lambda down: None) -> int | None:
     """What the chief chose, once every ps it uses answers (else waits,
-    reading it again: the chief may not have chosen yet)."""
+    reading it again: the chief may not have chosen yet). Calls
+    expect(k) while one ps k, not ps 0, does not answer: the chief will
+    likely do without it."""
     deadline, said = time.monotonic() + timeout, 0.0
     while True:
         try:
@@ -126,6 +127,8 @@ def worker_choice(task, reader: Ps0Reader, timeout: float) -> int | None:
                    if i != down and not port_open(task, i)]
         if not missing:
             return down
+        if len(missing) == 1 and missing[0] != 0:
+            expect(missing[0])
         now = time.monotonic()
         if now > deadline:
             return down   # wait_for_ps then says which, and fails
@@ -191,112 +194,6 @@ def changed(error: Exception) -> bool:
     """A push refused: the chief's graph serves the shards otherwise."""
     return (isinstance(error, tf.errors.InvalidArgumentError)
             and state_lib.SERVING_CHANGED in str(error))
-
-
-class Graphs:
-    """A task's graphs by the ps they do without (None: every ps serves),
-    and which to use at each connect (`choose`). The one it leaves is
-    kept for its way back, and the others are built beforehand on a
-    thread, once the task is in the run: a starved host takes long to
-    build a graph, and would stand still as long when a ps goes down.
-    The chief's graphs without a ps are warmed too: a session on each,
-    its loop placed on every task (takeover.warm), which takes as long."""
-
-    def __init__(self, task, config, build, warm=None):
-        """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
-        takeover.Warmed or None (the chief's), or None not to warm."""
-        self._task, self._config, self._build = task, config, build
-        self._warm = warm
-        self._mirrored = mirrored(config, task)
-        self._lock = threading.Lock()
-        self._built = {}    # ps_down -> WorkerGraph
-        self._warmed = {}   # ps_down -> takeover.Warmed, of this era
-        # Connects so far: a session warmed before the last one may use a
-        # ps started again since, so each connect closes the warmed ones.
-        self._era = 0
-        self._reader = None   # a Ps0Reader, from the first choice on
-
-    def choose(self, target: str, as_chief: bool) -> tuple:
-        """(the ps to do without now, or None; a ps the last chief did
-        without that the chief now uses, or None). A worker follows the
-        chief's choice, and takes nothing back."""
-        if self._reader is None:
-            self._reader = Ps0Reader(target, self._task, self._config)
-        reader, task, config = self._reader, self._task, self._config
-        if not as_chief:
-            return worker_choice(task, reader,
-                                 config.startup_timeout_secs), None
-        try:
-            before = reader.ps_down()
-        except tf.errors.OpError:
-            before = None
-        down = chief_choice(task, config, reader)
-        return down, (before if before not in (None, down) else None)
-
-    def prebuild(self, current) -> ThreadCall | None:
-        """With --ps_mirrors, PREBUILD_AFTER_SECS later on a thread (which
-        it returns): builds a graph without each ps but ps 0, and one with
-        every ps (those not built yet), and, serving with every ps, warms
-        those without one. Call it at each connect, once in the run."""
-        if not self._mirrored:
-            return None
-        with self._lock:
-            self._built[current.ps_down] = current
-            era = self._era
-        wanted = [d for d in [None, *range(1, self._task.cluster.num_ps)]
-                  if d != current.ps_down]
-
-        def build_all():
-            # Not at once: the task's own start (its loop placed, its
-            # callables made) holds the interpreter long on a starved
-            # host, and a build beside it would delay the chief's beat.
-            time.sleep(PREBUILD_AFTER_SECS)
-            for d in wanted:
-                graph = self._graph(d)
-                if self._warm and d is not None and current.ps_down is None:
-                    self._keep(d, era, self._warm(graph, d))
-
-        return ThreadCall(build_all, "graphs-without-a-ps")
-
-    def _graph(self, down: int | None):
-        with self._lock:
-            graph = self._built.get(down)
-        if graph is None:   # built outside the lock: it takes long
-            graph = self._build(down)
-            with self._lock:
-                graph = self._built.setdefault(down, graph)
-        return graph
-
-    def _keep(self, down: int, era: int, warmed) -> None:
-        with self._lock:
-            if warmed is not None and era == self._era:
-                self._warmed[down], warmed = warmed, None
-        if warmed is not None:   # a connect came meanwhile
-            close_within(warmed.session)
-
-    def switch(self, current, down: int | None) -> tuple:
-        """(the graph without ps `down` (None: with every ps), a Warmed
-        session on it or None), saying so; `current` is kept."""
-        if down is None:
-            logging.warning("every ps serves its own shards again (ps %d is "
-                            "back): connecting with it", current.ps_down)
-        else:
-            logging.warning(
-                "ps %d is down: serving its shards from their copies on "
-                "ps %d", down, mirrors.copy_task(down,
-                                                 self._task.cluster.num_ps))
-        with self._lock:
-            self._built[current.ps_down] = current
-            warmed = self._warmed.pop(down, None)
-        return self._graph(down), warmed
-
-    def connected(self) -> None:
-        """A connect is done: the sessions warmed before it are closed."""
-        with self._lock:
-            self._era += 1
-            stale, self._warmed = list(self._warmed.values()), {}
-        for warmed in stale:
-            close_within(warmed.session)
 
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:

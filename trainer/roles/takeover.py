@@ -262,9 +262,9 @@ class ChiefWatch(BackgroundThread):
 
 @dataclasses.dataclass
 class Warmed:
-    """A session opened beforehand on the chief's graph by a spare, with
-    the loop's callable made and placed on every task (run.py).
-    `epoch` is the loop's fixed feed: set once the role is claimed."""
+    """A session opened beforehand on a worker's graph (`warm`), with the
+    loop's callable made and placed on every task. `epoch` is the loop's
+    fixed feed: on a chief's, set once the role is claimed."""
 
     session: tf.compat.v1.Session
     loop: Callable
@@ -273,21 +273,23 @@ class Warmed:
 
 def warm(config, task, server, graph,
          ps_tasks: list[int] | None = None) -> Warmed | None:
-    """A session on a chief's graph (a spare chief's, or one without a ps:
-    trainer/roles/serving.py) whose loop is made and placed on every task
-    by a run of 0 steps (it only reads), and the reads of the chief's
-    start made once, or None if that failed (a ps lost meanwhile): the
-    connect then does it. ps_tasks: those the graph uses (None: every
-    one)."""
+    """A session on a worker's graph (a spare chief's, or one without a
+    ps: trainer/roles/serving.py) whose loop is made and placed on every
+    task by a run of 0 steps (it only reads), and, on a chief's, the
+    reads of its start made once; or None if that failed (a ps lost
+    meanwhile): the connect then does it. ps_tasks: those the graph uses
+    (None: every one)."""
     session = tf.compat.v1.Session(
         server.target, graph=graph.graph,
         config=devices.session_config(config, task, ps_tasks))
-    epoch = {graph.chief.epoch: -1}   # no chief's: the loop writes nothing
+    # A chief's loop fed no chief's epoch writes nothing.
+    epoch = {graph.chief.epoch: -1} if graph.chief else {}
     try:
         loop = make_callable(session, graph.loop_outputs,
                              [graph.start_token, graph.num_steps], epoch)
         loop(np.zeros(4, np.int64), 0)   # step 0's token
-        _place_start_reads(session, graph)
+        if graph.chief:
+            _place_start_reads(session, graph)
     except tf.errors.OpError as e:
         logging.info("a chief's loop was not placed beforehand: %s",
                      error_summary(e))

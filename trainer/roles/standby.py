@@ -1,0 +1,158 @@
+"""A task's graphs on standby (--ps_mirrors): built, and warmed, before a
+ps goes down or comes back, since a starved host takes long to build a
+graph and to place it, and the run would stand still as long.
+
+Which graph a task uses at each connect is the choice of
+trainer/roles/serving.py; `Graphs.choose` asks it.
+"""
+
+import threading
+import time
+
+from absl import logging
+import tensorflow as tf
+
+from trainer.roles.background import ThreadCall, close_within
+from trainer.roles.serving import (Ps0Reader, chief_choice, mirrored,
+                                   worker_choice)
+from trainer.sync import mirrors
+
+PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
+
+
+class Graphs:
+    """A task's graphs by the ps they do without (None: every ps serves),
+    and which to use at each connect (`choose`). The one it leaves is
+    kept for its way back, and the others are built beforehand on a
+    thread, once the task is in the run: a starved host takes long to
+    build a graph, and would stand still as long when a ps goes down.
+    Graphs are warmed too: a session on one, its loop placed on every task
+    (takeover.warm), which takes as long. The chief warms those without a
+    ps beforehand; another worker warms one while it waits for the chief
+    to do without that ps (`choose`)."""
+
+    def __init__(self, task, config, build, warm=None, ahead=False):
+        """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
+        takeover.Warmed or None, or None not to warm; ahead: warm the
+        graphs without a ps beforehand (the chief's)."""
+        self._task, self._config, self._build = task, config, build
+        self._warm, self._ahead = warm, ahead
+        self._mirrored = mirrored(config, task)
+        self._lock = threading.Lock()
+        self._built = {}    # ps_down -> WorkerGraph
+        self._warmed = {}   # ps_down -> takeover.Warmed, of this era
+        self._warming = {}  # ps_down -> a worker's warm, of this era
+        # Connects so far: a session warmed before the last one may use a
+        # ps started again since, so each connect closes the warmed ones.
+        self._era = 0
+        self._reader = None   # a Ps0Reader, from the first choice on
+
+    def choose(self, target: str, as_chief: bool) -> tuple:
+        """(the ps to do without now, or None; a ps the last chief did
+        without that the chief now uses, or None). A worker follows the
+        chief's choice, and takes nothing back."""
+        if self._reader is None:
+            self._reader = Ps0Reader(target, self._task, self._config)
+        reader, task, config = self._reader, self._task, self._config
+        if not as_chief:
+            return worker_choice(task, reader, config.startup_timeout_secs,
+                                 self._warm_now), None
+        try:
+            before = reader.ps_down()
+        except tf.errors.OpError:
+            before = None
+        down = chief_choice(task, config, reader)
+        return down, (before if before not in (None, down) else None)
+
+    def prebuild(self, current) -> ThreadCall | None:
+        """With --ps_mirrors, PREBUILD_AFTER_SECS later on a thread (which
+        it returns): builds a graph without each ps but ps 0, and one with
+        every ps (those not built yet), and, serving with every ps, warms
+        those without one. Call it at each connect, once in the run."""
+        if not self._mirrored:
+            return None
+        with self._lock:
+            self._built[current.ps_down] = current
+            era = self._era
+        wanted = [d for d in [None, *range(1, self._task.cluster.num_ps)]
+                  if d != current.ps_down]
+
+        def build_all():
+            # Not at once: the task's own start (its loop placed, its
+            # callables made) holds the interpreter long on a starved
+            # host, and a build beside it would delay the chief's beat.
+            time.sleep(PREBUILD_AFTER_SECS)
+            for d in wanted:
+                graph = self._graph(d)
+                if self._ahead and d is not None and (
+                        current.ps_down is None):
+                    self._keep(d, era, self._warm(graph, d))
+
+        return ThreadCall(build_all, "graphs-without-a-ps")
+
+    def _warm_now(self, down: int) -> None:
+        """Warms the graph without ps `down` on a thread, once a connect
+        (a worker, while the chief chooses), where ps 0 holds a run: at a
+        first start the chief waits for every ps."""
+        with self._lock:
+            if self._warm is None or down in self._warming:
+                return
+        try:
+            if not self._reader.holds_run():
+                return
+        except tf.errors.OpError:
+            return
+        with self._lock:
+            if down in self._warming:
+                return
+            era = self._era
+            self._warming[down] = ThreadCall(lambda: self._keep(
+                down, era, self._warm(self._graph(down), down)),
+                "warm-without-a-ps")
+
+    def _graph(self, down: int | None):
+        with self._lock:
+            graph = self._built.get(down)
+        if graph is None:   # built outside the lock: it takes long
+            graph = self._build(down)
+            with self._lock:
+                graph = self._built.setdefault(down, graph)
+        return graph
+
+    def _keep(self, down: int, era: int, warmed) -> None:
+        with self._lock:
+            if warmed is not None and era == self._era:
+                self._warmed[down], warmed = warmed, None
+        if warmed is not None:   # a connect came meanwhile
+            close_within(warmed.session)
+
+    def switch(self, current, down: int | None) -> tuple:
+        """(the graph without ps `down` (None: with every ps), a Warmed
+        session on it or None), saying so; `current` is kept."""
+        if down is None:
+            logging.warning("every ps serves its own shards again (ps %d is "
+                            "back): connecting with it", current.ps_down)
+        else:
+            logging.warning(
+                "ps %d is down: serving its shards from their copies on "
+                "ps %d", down, mirrors.copy_task(down,
+                                                 self._task.cluster.num_ps))
+        with self._lock:
+            self._built[current.ps_down] = current
+            warming = self._warming.get(down)
+        # A warm under way ends sooner than a session begun afresh beside
+        # it, on the same starved core.
+        if warming is not None:
+            warming.done(self._config.startup_timeout_secs)
+        with self._lock:
+            warmed = self._warmed.pop(down, None)
+        return self._graph(down), warmed
+
+    def connected(self) -> None:
+        """A connect is done: the sessions warmed before it are closed."""
+        with self._lock:
+            self._era += 1
+            stale, self._warmed = list(self._warmed.values()), {}
+            self._warming = {}
+        for warmed in stale:
+            close_within(warmed.session)
