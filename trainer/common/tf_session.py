@@ -20,7 +20,8 @@ def make_callable(session, fetches: dict, feeds=(), fixed=None):
 
     Feeds are int64 scalars given positionally; `fixed` ({tensor: int64
     value}) is fed its values as they are at each call (a caller may set
-    them later). The result is a dict like `fetches`.
+    them later, also through the callable's `fixed`). The result is a
+    dict like `fetches`.
     """
     fixed = fixed or {}
     options = config_pb2.CallableOptions()
@@ -36,4 +37,5 @@ def make_callable(session, fetches: dict, feeds=(), fixed=None):
                         for a in (*args, *fixed.values())])
         return dict(zip(names, values))
 
+    run.fixed = fixed
     return run

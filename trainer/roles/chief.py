@@ -47,6 +47,7 @@ class Chief(WorkerRole):
         self._serve_again = False     # the ps done without is back
         self._bridge = None           # our beat while we connect again
         self._graph_written = False   # into the summaries, at our start
+        self._absorb_call = None      # made once a connect (`_absorb`)
         self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
@@ -115,6 +116,7 @@ class Chief(WorkerRole):
         if self.epoch is not None and self._bridge is None:
             self._bridge = takeover.OwnBeat(self.server.target, self.task,
                                             self.config).start()
+        self._absorb_call = None   # of the last session
         super()._connect()
 
     def _ready(self, step: int, logdir: pathlib.Path):
@@ -122,10 +124,9 @@ class Chief(WorkerRole):
         self.session.run(self.g.chief.mark_ready_op)
         logging.info("chief ready at global step %d of %d", step,
                      self.train_steps)
-        # The graph once: a connect again (a ps lost or back) would
-        # serialize it anew, which a starved host takes seconds over.
-        graph, self._graph_written = (
-            None if self._graph_written else self.g.graph), True
+        # The graph once, not at each connect: a starved host takes seconds.
+        graph = None if self._graph_written else self.g.graph
+        self._graph_written = True
         writer = summaries.summary_writer(str(logdir), graph)
         summaries.write_run_card(writer, step, dataclasses.asdict(
             self.config), self.task.cluster.as_dict())
@@ -177,9 +178,14 @@ class Chief(WorkerRole):
                     "; start the others or lower --min_workers")
 
     def _absorb(self):
-        """Acts on the queued events now; the roster after (bool [N])."""
-        ops = self.g.chief
-        return self.session.run(ops.absorb_op, {ops.epoch: self.epoch})
+        """Acts on the queued events now; the roster after (bool [N]). A
+        callable, made beforehand where warmed (joins wait on its making)."""
+        ops, warmed = self.g.chief, self._warm_loop
+        if self._absorb_call is None:   # once a connect
+            self._absorb_call = warmed.absorb if warmed else self.callable(
+                {"roster": ops.absorb_op}, fixed={ops.epoch: None})
+        self._absorb_call.fixed[ops.epoch] = self.epoch
+        return self._absorb_call()["roster"]
 
     def halt(self, reason: str) -> None:
         """Ends training at the next step boundary with a checkpoint, then

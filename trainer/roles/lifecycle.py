@@ -53,7 +53,7 @@ class WorkerRole(abc.ABC):
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, as_chief: bool = False,
                  graph: worker_graph.WorkerGraph | None = None,
-                 warmed: takeover.Warmed | None = None):
+                 warmed: standby.Warmed | None = None):
         """graph: built beforehand (a spare chief's), or None to build;
         warmed: a session on it for the first connect, or None."""
         self.config, self.task, self.server = config, task, server
@@ -91,7 +91,7 @@ class WorkerRole(abc.ABC):
         self.graphs = standby.Graphs(
             task, config, lambda ps_down: worker_graph.build_worker(
                 config, task, *sizes, self.train_steps, as_chief, ps_down),
-            lambda g, ps_down: takeover.warm(
+            lambda g, ps_down: standby.warm(
                 config, task, server, g, serving.ps_tasks(task, ps_down)),
             ahead=as_chief)
 

@@ -14,6 +14,7 @@ from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles import ps
 from trainer.roles import lifecycle
+from trainer.roles import standby
 from trainer.roles import takeover
 from trainer.roles import graph as worker_graph
 from trainer.roles.background import ThreadCall
@@ -79,7 +80,7 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
     the chief's graph then, and placing its loop on every task, would
     stall the run as long as they take (tens of seconds on a starved
     host). Returns it building on a thread of its own: a ThreadCall of
-    (Mnist with the test set, WorkerGraph, takeover.Warmed or None)."""
+    (Mnist with the test set, WorkerGraph, standby.Warmed or None)."""
     if task.cluster.num_workers == 1:
         return None
 
@@ -100,7 +101,7 @@ def _spare_chief(config: TrainConfig, task: Task, data_dir,
         # The variables the loop reads exist once the chief took us in.
         if not joined:
             return mnist, graph, None
-        return mnist, graph, takeover.warm(config, task, worker.server, graph)
+        return mnist, graph, standby.warm(config, task, worker.server, graph)
 
     return ThreadCall(build, "spare-chief")
 

@@ -6,12 +6,17 @@ Which graph a task uses at each connect is the choice of
 trainer/roles/serving.py; `Graphs.choose` asks it.
 """
 
+import dataclasses
 import threading
 import time
+from typing import Callable
 
 from absl import logging
+import numpy as np
 import tensorflow as tf
 
+from trainer.cluster import devices
+from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.background import ThreadCall, close_within
 from trainer.roles.serving import (Ps0Reader, chief_choice, mirrored,
                                    worker_choice)
@@ -27,20 +32,20 @@ class Graphs:
     thread, once the task is in the run: a starved host takes long to
     build a graph, and would stand still as long when a ps goes down.
     Graphs are warmed too: a session on one, its loop placed on every task
-    (takeover.warm), which takes as long. The chief warms those without a
+    (`warm`), which takes as long. The chief warms those without a
     ps beforehand; another worker warms one while it waits for the chief
     to do without that ps (`choose`)."""
 
     def __init__(self, task, config, build, warm=None, ahead=False):
         """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
-        takeover.Warmed or None, or None not to warm; ahead: warm the
+        Warmed or None, or None not to warm; ahead: warm the
         graphs without a ps beforehand (the chief's)."""
         self._task, self._config, self._build = task, config, build
         self._warm, self._ahead = warm, ahead
         self._mirrored = mirrored(config, task)
         self._lock = threading.Lock()
         self._built = {}    # ps_down -> WorkerGraph
-        self._warmed = {}   # ps_down -> takeover.Warmed, of this era
+        self._warmed = {}   # ps_down -> Warmed, of this era
         self._warming = {}  # ps_down -> a worker's warm, of this era
         # Connects so far: a session warmed before the last one may use a
         # ps started again since, so each connect closes the warmed ones.
@@ -156,3 +161,59 @@ class Graphs:
             self._warming = {}
         for warmed in stale:
             close_within(warmed.session)
+
+
+@dataclasses.dataclass
+class Warmed:
+    """A session opened beforehand on a worker's graph (`warm`), with the
+    loop's callable made and placed on every task. `epoch` is the loop's
+    fixed feed: on a chief's, set once the role is claimed."""
+
+    session: tf.compat.v1.Session
+    loop: Callable
+    epoch: dict
+    absorb: Callable | None = None   # a chief's (chief.py `_absorb`)
+
+
+def warm(config, task, server, graph,
+         ps_tasks: list[int] | None = None) -> Warmed | None:
+    """A session on a worker's graph (a spare chief's, or one without a
+    ps: trainer/roles/serving.py) whose loop is made and placed on every
+    task by a run of 0 steps (it only reads), and, on a chief's, its
+    start prepared (`_prepare_start`); or None if that failed (a ps lost
+    meanwhile): the connect then does it. ps_tasks: those the graph uses
+    (None: every one)."""
+    session = tf.compat.v1.Session(
+        server.target, graph=graph.graph,
+        config=devices.session_config(config, task, ps_tasks))
+    # A chief's loop fed no chief's epoch writes nothing.
+    epoch = {graph.chief.epoch: -1} if graph.chief else {}
+    try:
+        loop = make_callable(session, graph.loop_outputs,
+                             [graph.start_token, graph.num_steps], epoch)
+        loop(np.zeros(4, np.int64), 0)   # step 0's token
+        absorb = _prepare_start(session, graph, epoch) if graph.chief else None
+    except tf.errors.OpError as e:
+        logging.info("a loop was not placed beforehand: %s",
+                     error_summary(e))
+        close_within(session)
+        return None
+    return Warmed(session, loop, epoch, absorb)
+
+
+def _prepare_start(session, graph, epoch: dict):
+    """Runs the reads of the chief's start (chief.py _claim_and_start)
+    once, since a session keeps each run's placement, which a starved
+    host takes seconds to make; returns the callable of its absorb (made,
+    not run: it acts on the queued events). A variable not set yet (a
+    spare chief before the run's start) fails its read, and the
+    placement is kept all the same."""
+    for fetch in (graph.lock.recorded, graph.chief.uninitialized,
+                  graph.handles.global_step, graph.chief.contributions,
+                  graph.handles.round):
+        try:
+            session.run(fetch)
+        except tf.errors.FailedPreconditionError:
+            pass
+    return make_callable(session, {"roster": graph.chief.absorb_op}, (),
+                         epoch)

@@ -27,12 +27,10 @@ import time
 from typing import Callable
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.background import BackgroundThread, close_within
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
@@ -258,59 +256,6 @@ class ChiefWatch(BackgroundThread):
                         "its work", reason)
         self._on_lost(reason)
         return False
-
-
-@dataclasses.dataclass
-class Warmed:
-    """A session opened beforehand on a worker's graph (`warm`), with the
-    loop's callable made and placed on every task. `epoch` is the loop's
-    fixed feed: on a chief's, set once the role is claimed."""
-
-    session: tf.compat.v1.Session
-    loop: Callable
-    epoch: dict
-
-
-def warm(config, task, server, graph,
-         ps_tasks: list[int] | None = None) -> Warmed | None:
-    """A session on a worker's graph (a spare chief's, or one without a
-    ps: trainer/roles/serving.py) whose loop is made and placed on every
-    task by a run of 0 steps (it only reads), and, on a chief's, the
-    reads of its start made once; or None if that failed (a ps lost
-    meanwhile): the connect then does it. ps_tasks: those the graph uses
-    (None: every one)."""
-    session = tf.compat.v1.Session(
-        server.target, graph=graph.graph,
-        config=devices.session_config(config, task, ps_tasks))
-    # A chief's loop fed no chief's epoch writes nothing.
-    epoch = {graph.chief.epoch: -1} if graph.chief else {}
-    try:
-        loop = make_callable(session, graph.loop_outputs,
-                             [graph.start_token, graph.num_steps], epoch)
-        loop(np.zeros(4, np.int64), 0)   # step 0's token
-        if graph.chief:
-            _place_start_reads(session, graph)
-    except tf.errors.OpError as e:
-        logging.info("a chief's loop was not placed beforehand: %s",
-                     error_summary(e))
-        close_within(session)
-        return None
-    return Warmed(session, loop, epoch)
-
-
-def _place_start_reads(session, graph) -> None:
-    """Runs the reads of the chief's start (chief.py _claim_and_start)
-    once: a session keeps each run's placement, which a starved host
-    takes seconds to make. A variable not set yet (a spare chief before
-    the run's start) fails the read, and the placement is kept all the
-    same."""
-    for fetch in (graph.lock.recorded, graph.chief.uninitialized,
-                  graph.handles.global_step, graph.chief.contributions,
-                  graph.handles.round):
-        try:
-            session.run(fetch)
-        except tf.errors.FailedPreconditionError:
-            pass
 
 
 def epoch_copy_device(config, num_ps: int,
