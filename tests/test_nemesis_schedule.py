@@ -1,0 +1,110 @@
+"""The nemesis's fault schedules (trainer/bench/nemesis/schedule.py):
+drawn from a seed, covering, hand-written, and their targets."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests import helpers
+from trainer.bench.nemesis import schedule
+
+
+def test_a_schedule_is_replayed_from_its_seed():
+    first = schedule.draw(7, 4, 600, 8)
+    assert first == schedule.draw(7, 4, 600, 8)
+    assert first != schedule.draw(8, 4, 600, 8)
+    for fault in first:
+        assert fault.task in ("worker1", "worker2", "worker3")
+        assert 10 <= fault.at_step < 0.5 * 600
+        low, high = schedule.DURATION[fault.kind]
+        assert fault.secs is None or low <= fault.secs <= high
+    assert [f.at_step for f in first] == sorted(f.at_step for f in first)
+
+
+def test_a_covering_schedule_has_every_kind_once():
+    for seed in range(5):
+        faults = schedule.covering(seed, 4, 400)
+        assert sorted(f.kind for f in faults) == sorted(schedule.KINDS)
+
+
+def test_a_hand_written_schedule_is_parsed_or_refused():
+    faults = schedule.parse("kill:worker2:50:never, cut:worker1:20:30")
+    assert faults == [schedule.Fault("cut", "worker1", 20, 30.0),
+                      schedule.Fault("kill", "worker2", 50, None)]
+    assert schedule.parse("cut:worker0:20:5") == [
+        schedule.Fault("cut", "worker0", 20, 5.0)]   # the chief
+    assert schedule.parse("kill:ps1:20:5") == [
+        schedule.Fault("kill", "ps1", 20, 5.0)]
+    for bad in ("cut:worker1:20", "term:worker0:20:5", "melt:worker1:2:3",
+                "kill:ps0:20:never", "term:ps0:20:5", "cut:chief:20:5",
+                "cut:worker1:x:5"):
+        with pytest.raises(ValueError, match="bad fault"):
+            schedule.parse(bad)
+
+
+@pytest.mark.parametrize("task, says", [
+    ("ps2", "--schedule names ps2, but --ps=2"),
+    ("worker4", "--schedule names worker4, but --workers=4")])
+def test_a_schedule_naming_a_task_beyond_the_cluster_is_refused(task, says):
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.nemesis", "--ps=2", "--workers=4",
+         f"--schedule=kill:{task}:120:5", "--hosts=loopback"],
+        capture_output=True, text=True, timeout=120, cwd=helpers.REPO,
+        env=helpers.python_env())
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_chief_is_a_target_only_when_asked():
+    assert all(f.task != "worker0" for f in schedule.draw(5, 4, 600, 40))
+    faults = schedule.draw(5, 4, 600, 40, chief=True)
+    on_chief = [f for f in faults if f.task == "worker0"]
+    assert on_chief and all(f.kind in schedule.CHIEF_KINDS
+                            for f in on_chief)
+    for seed in range(20):   # every schedule hits the chief
+        assert any(f.task == "worker0" for f in schedule.draw(
+            seed, 4, 300, 4, chief=True))
+
+
+def test_a_ps_is_a_target_only_when_asked_and_a_killed_ps_comes_back():
+    assert all(f.task.startswith("worker")
+               for f in schedule.draw(5, 4, 600, 40, chief=True))
+    # The same seed draws the same worker faults but the one the ps
+    # fault replaces.
+    assert len(set(schedule.draw(7, 4, 300, 4)) - set(
+        schedule.draw(7, 4, 300, 4, ps=2))) == 1
+    for seed in range(30):
+        on_ps = [f for f in schedule.draw(seed, 4, 300, 4, ps=2)
+                 if f.task.startswith("ps")]
+        assert len(on_ps) == 1 and on_ps[0].task in ("ps0", "ps1")
+        assert on_ps[0].kind in schedule.PS_KINDS
+        assert on_ps[0].secs is not None
+
+
+def test_with_mirrors_a_ps_but_ps_0_may_be_killed_for_good():
+    """--ps_mirrors: the run goes on without a ps other than ps 0, so a
+    kill of one may stay; a seed draws the same faults either way but
+    for that."""
+    assert schedule.parse("kill:ps1:20:never", lost_for_good=True) == [
+        schedule.Fault("kill", "ps1", 20, None)]
+    for bad in ("kill:ps0:20:never", "stop:ps1:20:never"):
+        with pytest.raises(ValueError, match="bad fault"):
+            schedule.parse(bad, lost_for_good=True)
+    kept = 0
+    for seed in range(300):
+        plain = schedule.draw(seed, 4, 300, 4, chief=True, ps=2)
+        mirrored = schedule.draw(seed, 4, 300, 4, chief=True, ps=2,
+                                 lost_for_good=True)
+        assert [(f.kind, f.task, f.at_step) for f in plain] == [
+            (f.kind, f.task, f.at_step) for f in mirrored]
+        for f in mirrored:
+            if f.task.startswith("ps") and f.secs is None:
+                assert f.task != "ps0" and f.kind == schedule.KILL
+                kept += 1
+    assert kept   # some seed keeps a ps down
+
+
+def test_durations_can_be_capped():
+    faults = schedule.draw(3, 4, 600, 20, max_secs=12.0)
+    assert all(f.secs is None or f.secs <= 12.0 for f in faults)
