@@ -23,7 +23,7 @@ def make_callable(session, fetches: dict, feeds=(), fixed=None):
     them later, also through the callable's `fixed`). The result is a
     dict like `fetches`.
     """
-    fixed = fixed or {}
+    fixed = {} if fixed is None else fixed   # the caller's own dict
     options = config_pb2.CallableOptions()
     for tensor in [*feeds, *fixed]:
         options.feed.append(tensor.name)

@@ -182,7 +182,7 @@ class Chief(WorkerRole):
         callable, made beforehand where warmed (joins wait on its making)."""
         ops, warmed = self.g.chief, self._warm_loop
         if self._absorb_call is None:   # once a connect
-            self._absorb_call = warmed.absorb if warmed else self.callable(
+            self._absorb_call = (warmed and warmed.absorb) or self.callable(
                 {"roster": ops.absorb_op}, fixed={ops.epoch: None})
         self._absorb_call.fixed[ops.epoch] = self.epoch
         return self._absorb_call()["roster"]
