@@ -180,11 +180,10 @@ class Chief(WorkerRole):
     def _absorb(self):
         """Acts on the queued events now; the roster after (bool [N]). A
         callable, made beforehand where warmed (joins wait on its making)."""
-        ops, warmed = self.g.chief, self._warm_loop
+        warmed = self._warm_loop
         if self._absorb_call is None:   # once a connect
             self._absorb_call = (warmed and warmed.absorb) or self.callable(
-                {"roster": ops.absorb_op}, fixed={ops.epoch: None})
-        self._absorb_call.fixed[ops.epoch] = self.epoch
+                {"roster": self.g.chief.absorb_op}, fixed=self.fixed)
         return self._absorb_call()["roster"]
 
     def halt(self, reason: str) -> None:
@@ -275,6 +274,7 @@ class Chief(WorkerRole):
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
         self._claimed = True
+        self.fixed[ops.epoch] = self.epoch   # fed to the loop and absorb
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
         # them): serving.fill_what_was_lost says how.

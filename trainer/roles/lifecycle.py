@@ -80,14 +80,14 @@ class WorkerRole(abc.ABC):
         # later connect (a new session) makes its own loop.
         self._warmed = warmed
         self._warm_loop = None
+        self.fixed = {}   # the fixed feeds of the session's callables
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
         sizes = (len(mnist.train_labels), max(len(mnist.test_labels), 1))
         self.g = graph or worker_graph.build_worker(
             config, task, *sizes, self.train_steps, as_chief)
-        # With --ps_mirrors, the graphs without a ps (serving.py); the
-        # chief's are warmed beforehand.
+        # With --ps_mirrors, the graphs without a ps (standby.py).
         self.graphs = standby.Graphs(
             task, config, lambda ps_down: worker_graph.build_worker(
                 config, task, *sizes, self.train_steps, as_chief, ps_down),
@@ -159,6 +159,10 @@ class WorkerRole(abc.ABC):
                     only=serving.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
         self._warm_loop = warmed
+        # The fixed feeds of this session's callables: on the chief's,
+        # its epoch, set once at its claim (chief.py _claim_and_start).
+        self.fixed = warmed.loop.fixed if warmed else (
+            {self.g.chief.epoch: None} if self.g.chief else {})
         self.session = warmed.session if warmed else tf.compat.v1.Session(
             self.server.target, graph=self.g.graph,
             config=devices.session_config(
@@ -231,17 +235,15 @@ class WorkerRole(abc.ABC):
         """
         feeds = [self.g.start_token, self.g.num_steps]
         warmed, self._warm_loop = self._warm_loop, None
+        fixed = self.fixed   # the chief's loop writes only in its epoch
         if warmed:   # made and placed beforehand on this session
-            loop, fixed = warmed.loop, warmed.epoch
+            loop = warmed.loop
         else:
-            fixed = {self.g.chief.epoch: None} if self.g.chief else {}
             loop = self.callable(self.g.loop_outputs, feeds, fixed)
             if not self.g.chief:
                 # Its first run (0 steps: it only reads) before we join,
                 # so that our first round waits for nothing more.
                 loop(token_of(0), 0)
-        if self.g.chief:  # the chief's loop writes only in its epoch
-            fixed[self.g.chief.epoch] = self.epoch
         if self.config.trace_range() is None:
             return loop
         return tracing.split_loop(

@@ -28,13 +28,10 @@ PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
 class Graphs:
     """A task's graphs by the ps they do without (None: every ps serves),
     and which to use at each connect (`choose`). The one it leaves is
-    kept for its way back, and the others are built beforehand on a
-    thread, once the task is in the run: a starved host takes long to
-    build a graph, and would stand still as long when a ps goes down.
-    Graphs are warmed too: a session on one, its loop placed on every task
-    (`warm`), which takes as long. The chief warms those without a
-    ps beforehand; another worker warms one while it waits for the chief
-    to do without that ps (`choose`)."""
+    kept for its way back; the others are built on a thread once the
+    task is in the run. The chief warms those without a ps beforehand
+    (`warm`: a session, its loop placed on every task); another worker
+    warms one while it waits for the chief to do without that ps."""
 
     def __init__(self, task, config, build, warm=None, ahead=False):
         """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
@@ -166,12 +163,12 @@ class Graphs:
 @dataclasses.dataclass
 class Warmed:
     """A session opened beforehand on a worker's graph (`warm`), with the
-    loop's callable made and placed on every task. `epoch` is the loop's
-    fixed feed: on a chief's, set once the role is claimed."""
+    loop's callable made and placed on every task. On a chief's, the
+    loop's fixed feed (`loop.fixed`, shared with `absorb`) holds the
+    chief's epoch, set once the role is claimed."""
 
     session: tf.compat.v1.Session
     loop: Callable
-    epoch: dict
     absorb: Callable | None = None   # a chief's (chief.py `_absorb`)
 
 
@@ -198,7 +195,7 @@ def warm(config, task, server, graph,
                      error_summary(e))
         close_within(session)
         return None
-    return Warmed(session, loop, epoch, absorb)
+    return Warmed(session, loop, absorb)
 
 
 def _prepare_start(session, graph, epoch: dict):
