@@ -9,6 +9,8 @@ import pytest
 import tensorflow as tf
 
 from tests import helpers
+from trainer.cluster import spec as cluster_spec
+from trainer.common.config import TrainConfig
 from trainer.roles import takeover
 from trainer.roles.background import ThreadCall
 from trainer.sync import averaging
@@ -96,6 +98,53 @@ def test_beats_are_counted(lock_session):
     for _ in range(3):
         session.run(lock.beat)
     assert list(session.run(lock.recorded)) == [1, 0, 3]
+
+
+def test_the_chiefs_own_beat_lands_only_in_its_epoch():
+    """takeover.BeatSession: the chief beats from a session of its own,
+    and adds to the record only while the record is its own; once
+    another worker has claimed the role, its beat lands nothing (a
+    deposed chief must not keep its successor's record alive)."""
+    ports = helpers.free_ports(2)
+    worker, ps = f"localhost:{ports[0]}", f"localhost:{ports[1]}"
+    spec = tf.train.ClusterSpec({"worker": [worker], "ps": [ps]})
+    server = tf.distribute.Server(spec, "worker", 0)
+    tf.distribute.Server(spec, "ps", 0)
+    task = cluster_spec.from_flags("worker", 0, ps, worker)
+    config = TrainConfig(logdir="unused")
+    session, lock = takeover.lock_session(server.target, task, config, None)
+    beats = takeover.BeatSession(server.target, task, config)
+    try:
+        first, _ = takeover.claim(session, lock, 0, wait_secs=1)
+        assert beats.beat(first) and beats.beat(first)
+        assert list(session.run(lock.recorded)) == [first, 0, 2]
+        second, _ = takeover.claim(session, lock, 1, wait_secs=1)
+        assert not beats.beat(first)
+        assert beats.beat(second)
+        assert list(session.run(lock.recorded)) == [second, 1, 1]
+    finally:
+        beats.close()
+        session.close()
+
+
+def test_a_beat_that_did_not_land_hands_nothing_over(monkeypatch):
+    """A takeover's claim beats on until the chief's own beat lands, not
+    merely runs: a beat in a deposed epoch lands nothing."""
+    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    events = []
+
+    class Claim:
+        def handed_over(self):
+            events.append("handed over")
+
+    with takeover.ChiefBeat(lambda: events.append("beat") or False,
+                            Claim()):
+        deadline = time.monotonic() + 10
+        while events.count("beat") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events.count("beat") >= 3
+        assert "handed over" not in events
+    assert events[-1] == "handed over"   # at the stop
 
 
 def judge(me, refused=()):

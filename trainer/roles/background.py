@@ -12,6 +12,8 @@ import abc
 import threading
 from typing import Callable
 
+import tensorflow as tf
+
 QUICK_CLOSE_SECS = 1.0   # closing a session whose runs failed: clean-up only
 
 
@@ -103,3 +105,31 @@ def close_within(session, secs: float = QUICK_CLOSE_SECS) -> bool:
     retries it. Whether it ended in time (its error, if any, is dropped:
     the peer may be gone already)."""
     return ThreadCall(session.close, "session-close").done(secs)
+
+
+class OwnSession:
+    """A session on a small graph of our own, apart from the training
+    session: a session builds one new graph at a time (TensorFlow's
+    MasterSession holds its mutex while it prunes and places one), so a
+    short read or write there can wait seconds behind a big first run on
+    a starved host. Each run waits at most `timeout_ms`; after a failed
+    run the session is opened again, since a ps it uses may have been
+    started again, which an old session cannot use."""
+
+    def __init__(self, open_session: Callable, timeout_ms: int):
+        """open_session() -> a new tf.compat.v1.Session."""
+        self._open = open_session
+        self._session = open_session()
+        self._options = tf.compat.v1.RunOptions(timeout_in_ms=timeout_ms)
+
+    def run(self, fetches, feeds=None):
+        """session.run(fetches, feeds); raises tf.errors.OpError."""
+        try:
+            return self._session.run(fetches, feeds, options=self._options)
+        except tf.errors.OpError:
+            close_within(self._session)   # its peer may be gone
+            self._session = self._open()
+            raise
+
+    def close(self) -> None:
+        close_within(self._session)

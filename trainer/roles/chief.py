@@ -43,9 +43,7 @@ class Chief(WorkerRole):
         self.halt_reason = None       # why training ends early (halt)
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
-        self._claimed = False         # the role is ours: we beat
         self._serve_again = False     # the ps done without is back
-        self._bridge = None           # our beat while we connect again
         self._graph_written = False   # into the summaries, at our start
         self._absorb_call = None      # made once a connect (`_absorb`)
         self.broken_steps = []        # steps not averaging the batch once
@@ -54,31 +52,23 @@ class Chief(WorkerRole):
         ops = self.g.chief
         logdir = pathlib.Path(self.config.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        # Our beat runs from the claim on, and a takeover's claim beats
-        # until ours lands: a start slow on a starved host (a restore, the
-        # summary writer, the callables) must not look like a lost chief.
-        self._claimed = False
-        bridge, self._bridge = self._bridge, None
-        with takeover.ChiefBeat(self._beat, (self.taking_over and
-                                             self.taking_over.claim) or bridge,
-                                ours=lambda: self._claimed):
-            step = self._claim_and_start(logdir)
-            writer = self._ready(step, logdir)
-            self.graphs.prebuild(self.g)
-            with self._membership_watch(writer) as watch, \
-                    self._round_deadlines(), serving.chief_watch(self):
-                self._wait_for_workers(self.config.min_workers)
-                outcome = progress.drive(
-                    self._step_runner(logdir),
-                    self.callable(ops.eval_outputs),
-                    lambda at: self._save(logdir, at), self.config, step,
-                    self.train_steps, writer, slices=lambda: watch.slices)
-                # Every worker, in or out, learns that training is over.
-                self.session.run(ops.end_op)
-                joined = {r["worker"] for r in watch.records}
-                ending.end_late_joiners(
-                    self.session, ops.end_op, self._absorb, self.task.cluster,
-                    joined | {self.k, self._gone})
+        step = self._claim_and_start(logdir)
+        writer = self._ready(step, logdir)
+        self.graphs.prebuild(self.g)
+        with self._membership_watch(writer) as watch, \
+                self._round_deadlines(), serving.chief_watch(self):
+            self._wait_for_workers(self.config.min_workers)
+            outcome = progress.drive(
+                self._step_runner(logdir),
+                self.callable(ops.eval_outputs),
+                lambda at: self._save(logdir, at), self.config, step,
+                self.train_steps, writer, slices=lambda: watch.slices)
+            # Every worker, in or out, learns that training is over.
+            self.session.run(ops.end_op)
+            joined = {r["worker"] for r in watch.records}
+            ending.end_late_joiners(
+                self.session, ops.end_op, self._absorb, self.task.cluster,
+                joined | {self.k, self._gone})
         watch.write_last_slices()
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
@@ -110,12 +100,24 @@ class Chief(WorkerRole):
         ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
         self.close_session()
 
+    def run(self) -> None:
+        # Our beat runs from our first claim to our end, across connects
+        # (a ps lost or back), from a session of its own; a takeover's
+        # claim beats until ours lands. A start slow on a starved host (a
+        # restore, the summary writer, the callables) must not look like
+        # a lost chief.
+        beats = takeover.BeatSession(self.server.target, self.task,
+                                     self.config)
+        try:
+            with takeover.ChiefBeat(
+                    lambda: beats.beat(self.epoch),
+                    self.taking_over and self.taking_over.claim,
+                    ours=lambda: self.epoch is not None):
+                super().run()
+        finally:
+            beats.close()
+
     def _connect(self) -> None:
-        # Connecting again as the chief (a ps lost or back): our beat goes
-        # on meanwhile, from a session of its own, until our own lands.
-        if self.epoch is not None and self._bridge is None:
-            self._bridge = takeover.OwnBeat(self.server.target, self.task,
-                                            self.config).start()
         self._absorb_call = None   # of the last session
         super()._connect()
 
@@ -273,7 +275,6 @@ class Chief(WorkerRole):
             self.epoch, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
-        self._claimed = True
         self.fixed[ops.epoch] = self.epoch   # fed to the loop and absorb
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
@@ -297,9 +298,6 @@ class Chief(WorkerRole):
             coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
-
-    def _beat(self) -> None:
-        self.session.run(self.g.lock.beat)
 
     def _log_start(self, step: int, logdir: pathlib.Path) -> None:
         me = self.task.cluster.describe("worker", self.k)

@@ -76,11 +76,10 @@ class WorkerRole(abc.ABC):
         self._taking_over = None   # why this worker takes over the chief
         self._ended_at = None      # the last step, if the run ended unseen
         # A Warmed (session and loop made beforehand): the first connect
-        # takes its session and hands it to the next loop_callable; a
-        # later connect (a new session) makes its own loop.
+        # takes it; a later connect (a new session) makes its own loop.
         self._warmed = warmed
         self._warm_loop = None
-        self.fixed = {}   # the fixed feeds of the session's callables
+        self.fixed = {}   # the fixed feeds of this session's callables
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
@@ -159,8 +158,7 @@ class WorkerRole(abc.ABC):
                     only=serving.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
         self._warm_loop = warmed
-        # The fixed feeds of this session's callables: on the chief's,
-        # its epoch, set once at its claim (chief.py _claim_and_start).
+        # On the chief: its epoch, set at its claim (_claim_and_start).
         self.fixed = warmed.loop.fixed if warmed else (
             {self.g.chief.epoch: None} if self.g.chief else {})
         self.session = warmed.session if warmed else tf.compat.v1.Session(

@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread, close_within
+from trainer.roles.background import BackgroundThread, OwnSession
 from trainer.sync import state as state_lib
 
 PROBE_SECS = 1.0   # how often the chief looks at a ps that is down
@@ -58,22 +58,14 @@ class Ps0Reader:
             self._down_set = tf.raw_ops.VarIsInitializedOp(
                 resource=down.handle)
             self._down = down.read_value()
-        self._open = lambda: tf.compat.v1.Session(
+        self._session = OwnSession(lambda: tf.compat.v1.Session(
             target, graph=graph,
-            config=devices.session_config(config, task, ps_tasks=[0]))
-        self._session = self._open()
-        self._options = tf.compat.v1.RunOptions(timeout_in_ms=READ_MS)
+            config=devices.session_config(config, task, ps_tasks=[0])),
+            READ_MS)
 
     def _run(self, tensor):
-        """Raises tf.errors.OpError if ps 0 does not answer; the next
-        read then opens a new session (ps 0 may have been started
-        again, which an old session cannot use)."""
-        try:
-            return self._session.run(tensor, options=self._options)
-        except tf.errors.OpError:
-            close_within(self._session)   # ps 0 may be gone
-            self._session = self._open()
-            raise
+        """Raises tf.errors.OpError if ps 0 does not answer."""
+        return self._session.run(tensor)
 
     def holds_run(self) -> bool:
         return bool(self._run(self._held))

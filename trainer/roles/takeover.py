@@ -31,7 +31,8 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
-from trainer.roles.background import BackgroundThread, close_within
+from trainer.roles.background import (BackgroundThread, OwnSession,
+                                      close_within)
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
@@ -48,44 +49,59 @@ class TakeOver(Exception):
         self.reason, self.claim = reason, claim
 
 
-class OwnBeat:
-    """The chief's beat on a session of our own (the lock's alone), until
-    `handed_over()`, when the chief's own beat has landed (ChiefBeat): for
-    a chief that connects again (a ps lost or back: its graph is built
-    again, which a starved host takes long over), so that no worker takes
-    over from it meanwhile."""
+class BeatSession:
+    """The chief's beat, from a session of our own (background.OwnSession)
+    that lives as long as the chief's role, across connects. A beat on
+    the chief's training session would queue behind its first runs after
+    each connect: a session builds one new graph at a time (MasterSession
+    holds its mutex while it prunes and places one), which takes seconds
+    on a starved host. A beat lands only while the record is the beating
+    chief's: a chief deposed meanwhile keeps no successor's alive."""
 
-    def __init__(self, target: str, task, config,
-                 copy_device: str | None = None):
-        self._session, self.lock = lock_session(target, task, config,
-                                                copy_device)
+    def __init__(self, target: str, task, config):
+        graph = tf.Graph()
+        with graph.as_default():
+            lock = ChiefLock(devices.ps_device(0))
+            self._epoch = tf.compat.v1.placeholder(tf.int64, [], "epoch")
+            self._beat = lock.beat_in(self._epoch)
+        self._session = OwnSession(lambda: tf.compat.v1.Session(
+            target, graph=graph,
+            config=devices.session_config(config, task, [0])),
+            # A beat later than this is as good as none to the others.
+            int(config.worker_timeout_secs * 1000))
+
+    def beat(self, epoch: int) -> bool:
+        """Whether the beat landed; raises tf.errors.OpError if ps 0 does
+        not answer."""
+        return bool(self._session.run(self._beat, {self._epoch: epoch}))
+
+    def close(self) -> None:
+        self._session.close()
+
+
+class Claim:
+    """A worker's claim of the chief's role, made before the worker builds
+    the chief's graph, with a beat of its own until `handed_over()` (once
+    the chief's BeatSession has landed a beat: ChiefBeat). epoch, lost: as
+    `claim` returns them; previous: the worker index of the chief it
+    replaces. ps_down: the ps the worker's graph does without
+    (trainer/roles/serving.py), or None."""
+
+    def __init__(self, target: str, task, config, index: int,
+                 ps_down: int | None = None):
+        self._session, self.lock = lock_session(
+            target, task, config,
+            epoch_copy_device(config, task.cluster.num_ps, ps_down))
+        self.previous = int(self._session.run(self.lock.recorded)[INDEX])
+        self.epoch, self.lost = claim(self._session, self.lock, index,
+                                      config.worker_timeout_secs)
         self._beat = ChiefBeat(lambda: self._session.run(self.lock.beat))
-
-    def start(self) -> "OwnBeat":
         self._beat.start()
-        return self
 
     def handed_over(self) -> None:
         """The chief's own beat runs now: this one stops."""
         self._beat.stop()
         close_within(self._session)
-
-
-class Claim(OwnBeat):
-    """A worker's claim of the chief's role, with a beat until
-    `handed_over()`: made before the worker builds the chief's graph.
-    epoch, lost: as `claim` returns them; previous: the worker index of
-    the chief it replaces. ps_down: the ps the worker's graph does
-    without (trainer/roles/serving.py), or None."""
-
-    def __init__(self, target: str, task, config, index: int,
-                 ps_down: int | None = None):
-        super().__init__(target, task, config, epoch_copy_device(
-            config, task.cluster.num_ps, ps_down))
-        self.previous = int(self._session.run(self.lock.recorded)[INDEX])
-        self.epoch, self.lost = claim(self._session, self.lock, index,
-                                      config.worker_timeout_secs)
-        self.start()
 
 
 def lock_session(target: str, task, config, copy_device: str | None):
@@ -137,7 +153,8 @@ def deposed_by(session, lock, epoch: int) -> int | None:
 
 
 class ChiefBeat(BackgroundThread):
-    """The chief's beat: beat() every BEAT_SECS while the chief runs.
+    """The chief's beat: beat() every BEAT_SECS while the chief runs;
+    beat() returns False when it did not land (a deposed chief's).
 
     claim: the Claim of a worker taking over, or None. Its beat stops
     only once this one has landed (or this one stops): between the two,
@@ -146,7 +163,7 @@ class ChiefBeat(BackgroundThread):
     would take over from a chief that is fine.
     """
 
-    def __init__(self, beat: Callable[[], None], claim=None,
+    def __init__(self, beat: Callable[[], bool | None], claim=None,
                  ours: Callable[[], bool] = lambda: True):
         """ours() says whether the chief's role is claimed yet: until it
         is, nothing beats but the takeover's claim."""
@@ -157,10 +174,11 @@ class ChiefBeat(BackgroundThread):
         if not self._ours():
             return
         try:
-            self._beat()
+            landed = self._beat()
         except Exception:  # noqa: BLE001 (ps 0 away: the watchdogs judge)
             return
-        self._hand_over()
+        if landed is not False:
+            self._hand_over()
 
     def stop(self) -> None:
         super().stop()

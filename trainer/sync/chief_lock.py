@@ -111,6 +111,16 @@ class ChiefLock:
             resource=self.record.handle)
         self.beat = self.beat_op()
 
+    def beat_in(self, epoch: tf.Tensor) -> tf.Tensor:
+        """bool []: adds a beat to the record if it is `epoch`'s (int64
+        []), and says whether it did."""
+        def beat():
+            with tf.control_dependencies([self.beat_op()]):
+                return tf.constant(True)
+        with tf.device(self.device):
+            return tf.cond(self.current(epoch), beat,
+                           lambda: tf.constant(False))
+
     def beat_op(self) -> tf.Operation:
         """Adds a beat to the record (a new op: one inside a loop's body
         runs at every iteration)."""
