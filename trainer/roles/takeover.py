@@ -198,7 +198,9 @@ class Judge:
     me: int
     timeout: float                      # --worker_timeout_secs
     refuses: Callable[[int], bool]      # worker k's port refuses now
+    starting: float = 0.0               # --startup_timeout_secs
     _seen: tuple | None = None          # (epoch, beats) last seen
+    _start: tuple | None = None         # (epoch, step) at its first reading
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
@@ -208,25 +210,26 @@ class Judge:
         reading (a chief cut off from ps 0 with us is not judged by it)."""
         self._seen = None
 
-    def update(self, record, roster, now: float,
-               read_secs: float = 0.0) -> str | None:
+    def update(self, record, roster, now: float, read_secs: float = 0.0,
+               step: int | None = None) -> str | None:
         """record: int64 [3] (epoch, index, beats); roster: bool [N];
-        read_secs: how long the reading took. Returns why to take over
-        now, or None."""
+        read_secs: how long the reading took; step: the global step
+        (None: unknown). Returns why to take over now, or None."""
         if read_secs > self.timeout / 2:
             # ps 0 stalled (stopped, cut off) while we read: the chief's
             # beats could not land either, so the silence is not its own.
             self.forget()
         chief = int(record[INDEX])
         seen = (int(record[EPOCH]), int(record[BEATS]))
+        self._note_start(seen[0], step)
         if seen != self._seen or chief == self.me:
             self._seen, self._since, self._lost_at = seen, now, None
             return None
         silent = now - self._since
+        limit, flag = self._limit()
         if self._lost_at is None:
-            if silent >= self.timeout:
-                self._why = (f"no beat for {self.timeout:.0f} s, "
-                             "--worker_timeout_secs")
+            if silent >= limit:
+                self._why = f"no beat for {limit:.0f} s, {flag}"
             elif silent >= REFUSED_AFTER_SECS and self.refuses(chief):
                 self._why = "its port refuses connections"
             else:
@@ -237,6 +240,28 @@ class Judge:
         if now - self._lost_at >= rank * self.timeout:
             return f"worker {chief} left: {self._why}"
         return None
+
+    def _note_start(self, epoch: int, step: int | None) -> None:
+        """Keeps (epoch, the step at its first reading), the step None
+        once it has moved: the chief has started."""
+        if step is None:
+            return
+        if self._start is None or self._start[0] != epoch:
+            self._start = (epoch, step)
+        elif step != self._start[1]:
+            self._start = (epoch, None)
+
+    def _limit(self) -> tuple:
+        """(the silence after which the chief is lost, its flag). A chief
+        that has taken no step since this worker first read its epoch is
+        still starting: its first runs on fresh sessions have held its
+        beat back for longer than --worker_timeout_secs on a starved host
+        (docs/nemesis.md), so it is given --startup_timeout_secs. A port
+        that refuses is judged as fast either way."""
+        if (self._start is not None and self._start[1] is not None
+                and self.starting > self.timeout):
+            return self.starting, "--startup_timeout_secs, in its start"
+        return self.timeout, "--worker_timeout_secs"
 
 
 class ChiefWatch(BackgroundThread):
@@ -261,7 +286,8 @@ class ChiefWatch(BackgroundThread):
             self._judge.forget()
             return None
         now = time.monotonic()
-        reason = self._judge.update(record, roster, now, now - started)
+        reason = self._judge.update(record, roster, now, now - started,
+                                    int(step))
         if reason is None:
             return None
         if step >= self._train_steps:

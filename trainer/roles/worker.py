@@ -98,7 +98,8 @@ class Worker(WorkerRole):
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
         judge = takeover.Judge(self.k, self.config.worker_timeout_secs,
-                               takeover.port_refuses(self.task.cluster))
+                               takeover.port_refuses(self.task.cluster),
+                               self.config.startup_timeout_secs)
 
         def fetch():
             out = read()
