@@ -63,18 +63,16 @@ class Ps0Reader:
             config=devices.session_config(config, task, ps_tasks=[0])),
             READ_MS)
 
-    def _run(self, tensor):
-        """Raises tf.errors.OpError if ps 0 does not answer."""
-        return self._session.run(tensor)
-
     def holds_run(self) -> bool:
-        return bool(self._run(self._held))
+        """Raises tf.errors.OpError if ps 0 does not answer (as does
+        ps_down)."""
+        return bool(self._session.run(self._held))
 
     def ps_down(self) -> int | None:
         """The ps the chief's graph does without, or None."""
-        if not self._run(self._down_set):
+        if not self._session.run(self._down_set):
             return None
-        down = int(self._run(self._down))
+        down = int(self._session.run(self._down))
         return None if down == state_lib.NO_PS_DOWN else down
 
 

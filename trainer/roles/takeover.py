@@ -50,13 +50,11 @@ class TakeOver(Exception):
 
 
 class BeatSession:
-    """The chief's beat, from a session of our own (background.OwnSession)
-    that lives as long as the chief's role, across connects. A beat on
-    the chief's training session would queue behind its first runs after
-    each connect: a session builds one new graph at a time (MasterSession
-    holds its mutex while it prunes and places one), which takes seconds
-    on a starved host. A beat lands only while the record is the beating
-    chief's: a chief deposed meanwhile keeps no successor's alive."""
+    """The chief's beat, from a session of our own (background.OwnSession:
+    a beat on the training session would queue behind its first runs
+    after each connect) that lives as long as the chief's role, across
+    connects. A beat lands only while the record is the beating chief's:
+    a chief deposed meanwhile keeps no successor's alive."""
 
     def __init__(self, target: str, task, config):
         graph = tf.Graph()
