@@ -165,7 +165,9 @@ flags.DEFINE_integer("inter_op_threads", 0,
                      "Ops run at once in this process (0: one per core).")
 flags.DEFINE_float("startup_timeout_secs", 120,
                    "How long to wait for the ps tasks and the chief, at "
-                   "start and after losing a ps.")
+                   "start and after losing a ps; a chief that has not "
+                   "stepped since its claim may be silent this long "
+                   "before a worker takes over its work.")
 flags.DEFINE_float("worker_timeout_secs", 120,
                    "How long the chief waits for a worker's gradient "
                    "before it counts the worker as gone and hands its "
