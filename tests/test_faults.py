@@ -186,7 +186,9 @@ def _kill_ps_outside_a_write(c, ps: int, hold_chief: bool = False) -> None:
     c.kill(f"ps{ps}")
 
 
-@pytest.mark.parametrize("ps", [0, 1])
+# ps 1 only with --runslow (CI's time): its refill is also checked by
+# test_ps_killed_the_run_goes_on_without_it_then_takes_it_back.
+@pytest.mark.parametrize("ps", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_ps_killed_and_restarted_is_refilled_from_its_mirrors(
         tmp_path, data, reference, ps):
     """--ps_mirrors, 2 ps: ps 0 or 1 killed at step 120 or later and
