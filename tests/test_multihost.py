@@ -247,15 +247,14 @@ def assert_same_parameters(c: HostCluster, reference: dict,
 
 
 ORDERS = list(itertools.permutations(("ps0", "worker0", "worker1")))
-# Start orders are also run on loopback by default (test_cluster_runs);
-# here the hardest one, the ps last, across hosts.
-DEFAULT_ORDERS = [("worker0", "worker1", "ps0")]
 
 
+# Only with --runslow (CI's time): start orders are run on loopback by
+# default (test_cluster_runs.py), and training across simulated hosts by
+# test_hosts.py and the nemesis.
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [
-    pytest.param(order, id="-".join(order),
-                 marks=() if order in DEFAULT_ORDERS else pytest.mark.slow)
-    for order in ORDERS])
+    pytest.param(order, id="-".join(order)) for order in ORDERS])
 def test_start_orders(cluster, reference, order):
     c = cluster()
     c.start_all(order, delay_secs=2)

@@ -214,6 +214,7 @@ def test_documented_sbatch_script(nodes, tmp_path, job_name, roles):
     assert results["final_test_accuracy"] > 0.5
 
 
+@pytest.mark.slow   # CI's time: the documented sbatch scripts run by default
 def test_documented_benchmark_script(nodes, tmp_path):
     """docs/benchmark.md's script: the benchmark in the batch step on n1,
     each run a job step over the allocation's five nodes. The `python`
