@@ -108,3 +108,11 @@ def test_with_mirrors_a_ps_but_ps_0_may_be_killed_for_good():
 def test_durations_can_be_capped():
     faults = schedule.draw(3, 4, 600, 20, max_secs=12.0)
     assert all(f.secs is None or f.secs <= 12.0 for f in faults)
+
+
+def test_a_ps_kill_drawn_as_never_back_is_capped_too():
+    """Without mirrors a ps kill drawn as never back is given seconds of
+    its own, which max_secs caps as any other fault's."""
+    for seed in range(300):
+        for f in schedule.draw(seed, 2, 20, 2, max_secs=5.0, ps=2):
+            assert f.secs is None or f.secs <= 5.0, (seed, f)

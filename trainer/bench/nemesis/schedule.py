@@ -90,7 +90,7 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
                      max_secs)
         secs = fault.secs
         if secs is None:  # drawn alike either way: a seed's schedule stays
-            secs = round(rng.uniform(*DURATION[KILL]), 1)
+            secs = round(rng.uniform(*_bounds(KILL, max_secs)), 1)
         index = rng.randrange(ps)
         if fault.secs is None and lost_for_good and index > 0:
             secs = None
@@ -114,16 +114,22 @@ def _one(rng: random.Random, kind: str, workers: int, train_steps: int,
     if workers < 2:
         raise ValueError("a fault schedule needs a worker besides the chief")
     first = 0 if chief and kind in CHIEF_KINDS else 1
-    low, high = DURATION[kind]
-    if max_secs is not None:
-        high = min(high, max_secs)
-        low = min(low, high)
-    secs = round(rng.uniform(low, high), 1)
+    secs = round(rng.uniform(*_bounds(kind, max_secs)), 1)
     if kind in (KILL, TERM) and rng.random() < NEVER_BACK:
         secs = None
     last = max(11, int(0.5 * train_steps))
     return Fault(kind, f"worker{rng.randrange(first, workers)}",
                  rng.randrange(10, last), secs)
+
+
+def _bounds(kind: str, max_secs: float | None) -> tuple[float, float]:
+    """The (low, high) seconds a fault of `kind` lasts, capped by
+    max_secs."""
+    low, high = DURATION[kind]
+    if max_secs is not None:
+        high = min(high, max_secs)
+        low = min(low, high)
+    return low, high
 
 
 def _sorted(faults: list[Fault]) -> list[Fault]:
