@@ -1,6 +1,7 @@
 """The nemesis's fault schedules (trainer/bench/nemesis/schedule.py):
 drawn from a seed, covering, hand-written, and their targets."""
 
+import itertools
 import subprocess
 import sys
 
@@ -116,3 +117,71 @@ def test_a_ps_kill_drawn_as_never_back_is_capped_too():
     for seed in range(300):
         for f in schedule.draw(seed, 2, 20, 2, max_secs=5.0, ps=2):
             assert f.secs is None or f.secs <= 5.0, (seed, f)
+
+
+def _job_index(task: str) -> tuple[str, int]:
+    job = task.rstrip("0123456789")
+    return job, int(task[len(job):])
+
+
+def _promise_broken(faults, seed, workers, steps, count, kinds, max_secs,
+                    chief, ps, lost) -> str | None:
+    """What a drawn schedule breaks of what draw's arguments promise, or
+    None."""
+    if len(faults) != count or faults != sorted(
+            faults, key=lambda f: (f.at_step, f.task, f.kind)):
+        return "not `faults` faults sorted by step"
+    for f in faults:
+        job, index = _job_index(f.task)
+        if f.kind not in kinds:
+            return f"{f.describe()}: a kind not asked for"
+        if not 10 <= f.at_step < max(11, int(0.5 * steps)):
+            return f"{f.describe()}: a step out of bounds"
+        if not (job == "ps" and index < ps and f.kind in schedule.PS_KINDS
+                or job == "worker" and (1 - chief) <= index < workers
+                and (f.task != "worker0" or f.kind in schedule.CHIEF_KINDS)):
+            return f"{f.describe()}: a target not asked for"
+        low, high = schedule.DURATION[f.kind]
+        high = high if max_secs is None else min(high, max_secs)
+        never = f.kind == schedule.KILL and index > 0 and lost if (
+            job == "ps") else f.kind in (schedule.KILL, schedule.TERM)
+        if (f.secs is None and not never) or f.secs is not None and not (
+                min(low, high) <= f.secs <= high):
+            return f"{f.describe()}: its seconds out of bounds"
+    on_ps = [f for f in faults if f.task.startswith("ps")]
+    if chief and count and set(kinds) & set(schedule.CHIEF_KINDS) and all(
+            f.task != "worker0" for f in faults):
+        return "no fault on the chief"
+    wanted = int(ps > 0 and count > 1 and bool(
+        set(kinds) & set(schedule.PS_KINDS)))
+    if len(on_ps) != wanted:
+        return f"{len(on_ps)} faults on a ps, not {wanted}"
+    return None
+
+
+def test_every_drawn_schedule_keeps_what_its_flags_promise():
+    """Seeds 1 to 2,000, each drawn with some of the combinations of
+    draw's arguments (every combination over a share of the seeds), and
+    the nemesis's ps and chief faults over all of them."""
+    all_kinds = schedule.KINDS
+    signals = (schedule.KILL, schedule.TERM, schedule.STOP)
+    combos = list(itertools.product(
+        (False, True), (0, 1, 2), (False, True),
+        (all_kinds, signals, (schedule.TERM,)), range(1, 7), (2, 3, 4)))
+    stride = 32
+    for i, (chief, ps, lost, kinds, count, workers) in enumerate(combos):
+        for seed in range(1 + i % stride, 2001, stride):
+            steps, max_secs = (300, None) if seed % 2 else (20, 5.0)
+            args = (seed, workers, steps, count, kinds, max_secs, chief,
+                    ps, lost)
+            faults = schedule.draw(*args)
+            assert _promise_broken(faults, *args) is None, (
+                args, _promise_broken(faults, *args))
+        assert faults == schedule.draw(*args)
+    for seed in range(1, 2001):
+        for lost in (False, True):
+            args = (seed, 4, 300, 4, all_kinds, None, True, 2, lost)
+            faults = schedule.draw(*args)
+            assert faults == schedule.draw(*args)
+            assert _promise_broken(faults, *args) is None, (
+                seed, lost, _promise_broken(faults, *args))

@@ -8,12 +8,14 @@ start, whose work then moves to another worker (trainer/roles/takeover.py).
 SIGTERM is not among the chief's faults: it stops the whole run on
 purpose (a checkpoint, then every task; the launcher's Ctrl-C), and a
 term drawn for a worker that does the chief's work by then is not sent
-(trainer/bench/nemesis/cluster.py). With `ps=True` one fault hits a
-ps task: a kill is undone by a restart (a ps lost for good ends the run
-until it is back: its shards exist nowhere else), but with --ps_mirrors
-(`lost_for_good`) a ps other than ps 0 may stay down as a worker may
-(the run goes on without it: trainer/roles/serving.py); term is not
-drawn.
+(trainer/bench/nemesis/cluster.py). With `ps` ps tasks (ps > 0) one
+fault of a schedule of two or more hits a ps task, in the place of a
+worker's fault but never of the chief's only one (so a schedule of one
+fault has none on a ps): a kill is undone by a restart (a ps lost for
+good ends the run until it is back: its shards exist nowhere else), but
+with --ps_mirrors (`lost_for_good`) a ps other than ps 0 may stay down as
+a worker may (the run goes on without it: trainer/roles/serving.py);
+term is not drawn.
 """
 
 import dataclasses
@@ -70,10 +72,13 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
          kinds=KINDS, max_secs: float | None = None,
          chief: bool = False, ps: int = 0,
          lost_for_good: bool = False) -> list[Fault]:
-    """`faults` faults of random kinds on workers 1..workers-1 (0 too with
-    `chief`, at least once, by a kind of CHIEF_KINDS; and the last one
-    on one of `ps` ps tasks, by a kind of PS_KINDS), sorted by step, none
-    lasting over max_secs; the same arguments give the same list."""
+    """`faults` faults of random kinds on workers 1..workers-1, sorted by
+    step, none lasting over max_secs; the same arguments give the same
+    list. With `chief`, worker 0 too, at least once, by a kind of
+    CHIEF_KINDS (if `kinds` has one). With `ps` > 0 and more than one
+    fault, exactly one of them on one of `ps` ps tasks instead, by a kind
+    of PS_KINDS (if `kinds` has one), never in the place of the chief's
+    only fault: a schedule of one fault has no ps fault."""
     rng = random.Random(seed)
     drawn = [_one(rng, rng.choice(list(kinds)), workers, train_steps,
                   max_secs, chief) for _ in range(faults)]
@@ -86,16 +91,37 @@ def draw(seed: int, workers: int, train_steps: int, faults: int,
         drawn[0] = dataclasses.replace(first, task=CHIEF)
     ps_kinds = [k for k in kinds if k in PS_KINDS]
     if ps and len(drawn) > 1 and ps_kinds:
-        fault = _one(rng, rng.choice(ps_kinds), workers, train_steps,
-                     max_secs)
-        secs = fault.secs
-        if secs is None:  # drawn alike either way: a seed's schedule stays
-            secs = round(rng.uniform(*_bounds(KILL, max_secs)), 1)
-        index = rng.randrange(ps)
-        if fault.secs is None and lost_for_good and index > 0:
-            secs = None
-        drawn[-1] = dataclasses.replace(fault, task=f"ps{index}", secs=secs)
+        drawn[_ps_slot(drawn)] = _ps_fault(
+            rng, rng.choice(ps_kinds), workers, train_steps, max_secs, ps,
+            lost_for_good)
     return _sorted(drawn)
+
+
+def _ps_slot(drawn: list[Fault]) -> int:
+    """The index of the fault (of >= 2) a ps fault takes the place of:
+    the last one, or the one before it where the last is the only fault
+    on the chief."""
+    on_chief = [f for f in drawn if f.task == CHIEF]
+    if len(on_chief) == 1 and drawn[-1].task == CHIEF:
+        return len(drawn) - 2
+    return len(drawn) - 1
+
+
+def _ps_fault(rng: random.Random, kind: str, workers: int,
+              train_steps: int, max_secs: float | None, ps: int,
+              lost_for_good: bool) -> Fault:
+    """A fault of `kind` on ps 0..ps-1, undone after its secs; a kill
+    drawn as never back (drawn alike either way, so that a seed's
+    schedule stays) is never back only with `lost_for_good`, on a ps
+    other than ps 0."""
+    fault = _one(rng, kind, workers, train_steps, max_secs)
+    secs = fault.secs
+    if secs is None:
+        secs = round(rng.uniform(*_bounds(KILL, max_secs)), 1)
+    index = rng.randrange(ps)
+    if fault.secs is None and lost_for_good and index > 0:
+        secs = None
+    return dataclasses.replace(fault, task=f"ps{index}", secs=secs)
 
 
 def covering(seed: int, workers: int, train_steps: int, kinds=KINDS,
