@@ -125,3 +125,47 @@ def test_a_hang_up_while_the_port_is_taken_starts_nothing(tmp_path):
             run.kill()
             run.wait()
     assert f"port {port} is taken" in run.stderr.read()
+
+
+# `trainer.remote run` with its task a stand-in that says it is up, then
+# lives until a signal ends it (or, given "deaf", ignores SIGTERM).
+_STAND_IN = """
+import sys
+from trainer import remote
+from trainer.common import processes
+remote.STOP_GRACE_SECS = 1.0
+start = processes.Child.start
+TASK = (
+    "import signal, sys, time\\n"
+    "if sys.argv[1] == 'deaf':\\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    "print('up', flush=True)\\n"
+    "time.sleep(60)\\n")
+processes.Child.start = lambda name, argv, *a, **kw: start(
+    name, [sys.executable, "-c", TASK, argv[-1]], *a,
+    **{**kw, "stdout": None})
+sys.exit(remote.main(["run", "--", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("task, status", [("hears", 143), ("deaf", 137)])
+def test_a_hang_up_stops_the_task_with_sigterm_then_sigkill(task, status):
+    """The launcher gone (stdin closed), `run` sends its task SIGTERM,
+    and SIGKILL STOP_GRACE_SECS later if it is still running; `run`
+    exits with the task's status."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", _STAND_IN, task], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=helpers.REPO, env=helpers.python_env())
+    try:
+        assert run.stdout.readline() == "up\n"
+        started = time.monotonic()
+        run.stdin.close()
+        assert run.wait(timeout=20) == status
+        waited = time.monotonic() - started
+        assert (waited >= 1.0) == (task == "deaf"), waited
+    finally:
+        run.kill()
+        run.wait()
+    assert ("still alive 1 s after SIGTERM" in run.stderr.read()) == (
+        task == "deaf")

@@ -30,7 +30,6 @@ import pathlib
 import platform
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ import time
 
 from absl import logging
 
+from trainer.cluster import ports as ports_lib
 from trainer.common import processes
 from trainer.learning import data as data_lib
 
@@ -72,23 +72,11 @@ def facts(ports: list[int], data_dir: str | None, download: bool) -> dict:
     folder = data_lib.resolve_data_dir(data_dir)
     return {"python": platform.python_version(), "tensorflow": tensorflow,
             "trainer": trainer_version(),
-            "ports_taken": [p for p in ports if _taken(p)],
+            "ports_taken": [p for p in ports if ports_lib.taken(p)],
             "data_dir": str(folder),
             "data_missing": [n for n in data_lib.FILES
                              if not (folder / n).is_file()],
             "download": download}
-
-
-def _taken(port: int) -> bool:
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        probe.bind(("", port))
-    except OSError:
-        return True
-    finally:
-        probe.close()
-    return False
 
 
 def run(flags: list[str], port: int | None = None) -> int:
@@ -107,18 +95,15 @@ def run(flags: list[str], port: int | None = None) -> int:
 
     def stop(*_):
         # Only the main thread reaps the task (poll below): a second
-        # waiter could take its exit status away.
+        # waiter could take its exit status away. So what is alive is
+        # read from returncode, and _send does not reap.
         hung_up.set()
         if not started:
             return
         task = started[0]
-        _send(task, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECS
-        while task.process.returncode is None:
-            if time.monotonic() > deadline:
-                _send(task, signal.SIGKILL)
-                return
-            time.sleep(0.1)
+        processes.terminate_then_kill(
+            lambda: [task] if task.process.returncode is None else [],
+            _send, STOP_GRACE_SECS)
 
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(
         target=stop, daemon=True).start())
@@ -152,16 +137,18 @@ def _watch_stdin(stop) -> None:
 
 def _wait_for_port(port: int, hung_up: threading.Event) -> None:
     deadline = time.monotonic() + PORT_WAIT_SECS
-    if _taken(port):
+    if ports_lib.taken(port):
         logging.warning("port %d is taken, perhaps by this task's run "
                         "before a lost connection, on its way out; waiting "
                         "for it", port)
-    while (_taken(port) and time.monotonic() < deadline
+    while (ports_lib.taken(port) and time.monotonic() < deadline
            and not hung_up.wait(0.5)):
         pass
 
 
 def _send(task: processes.Child, signum: int) -> None:
+    """Sends signum to the task while it runs, without reaping it (as
+    Child.signal would)."""
     if task.process.returncode is None:
         try:
             os.kill(task.pid, signum)

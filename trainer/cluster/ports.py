@@ -28,6 +28,16 @@ def answer(address: str, timeout: float, what: str = "address") -> str:
     return OPEN
 
 
+def taken(port: int) -> bool:
+    """Whether `port` is taken on this machine (another process holds
+    it), by the probe check_free makes."""
+    try:
+        _bind(port)
+    except OSError:
+        return True
+    return False
+
+
 def check_free(task: Task) -> None:
     """Fails clearly if this task's port is taken on this machine.
 
@@ -35,12 +45,19 @@ def check_free(task: Task) -> None:
     or, as gRPC sets SO_REUSEPORT, share the port with the other process.
     """
     _, port = split_address(task.address, "this task's address")
+    with edge(f"port {port} of {task.describe()}", None,
+              "stop the process that holds it or give this task "
+              "another port"):
+        _bind(port)
+
+
+def _bind(port: int) -> None:
+    """Binds `port` on every address for a moment, as a server does
+    (SO_REUSEADDR: a port some socket left in TIME_WAIT is free); raises
+    the OSError of a port taken."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        with edge(f"port {port} of {task.describe()}", None,
-                  "stop the process that holds it or give this task "
-                  "another port"):
-            probe.bind(("", port))
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("", port))
     finally:
         probe.close()
