@@ -154,11 +154,11 @@ class _FailedTask:
     """A launcher task that exited with status 1 (tasks.Restarts reads
     its job, index, name and status)."""
 
-    def __init__(self, name):
+    def __init__(self, name, unreachable=False):
         self.name = name
         self.job = name.rstrip("0123456789")
         self.index = int(name[len(self.job):])
-        self.unreachable = False
+        self.unreachable = unreachable
 
     def poll(self):
         return 1
@@ -178,3 +178,18 @@ def test_with_mirrors_the_launcher_goes_on_without_a_ps_but_ps_0():
                            num_workers=2, ps_allowed=1, ps_mirrors=True)
     assert again(_FailedTask("ps1"), []) is True
     assert started == [("ps", 1)]
+
+
+def test_a_worker_whose_host_is_away_is_started_again_without_a_restart():
+    """An unreachable worker (ssh could not reach its host) is started
+    again each time without using up --worker_restarts; Restarts keeps it
+    among `away` until it fails for a reason of its own."""
+    from trainer.cluster import tasks
+    started = []
+    restart = tasks.Restarts(0, lambda job, i: started.append((job, i)),
+                             num_workers=3)
+    for _ in range(3):
+        assert restart(_FailedTask("worker2", unreachable=True), [])
+    assert restart.away == {2} and started == [("worker", 2)] * 3
+    assert restart(_FailedTask("worker2"), []) is True   # left behind
+    assert restart.away == set() and len(started) == 3

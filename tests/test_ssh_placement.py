@@ -169,3 +169,14 @@ def test_a_hang_up_stops_the_task_with_sigterm_then_sigkill(task, status):
         run.wait()
     assert ("still alive 1 s after SIGTERM" in run.stderr.read()) == (
         task == "deaf")
+
+
+def test_an_ssh_task_is_made_with_its_host():
+    """ssh.start makes the task with its ssh destination, which its report
+    names (here `true` stands in for ssh)."""
+    placement = ssh.Placement("worker", 1, ssh.Host("ml@b", "10.0.0.2"), 2223)
+    task = ssh.start(placement, ["true"])
+    assert task.host_name == "ml@b"
+    assert task.poll(block=True) == 0 and not task.unreachable
+    task.join_relay(timeout=5)
+    assert task.report()["host"] == "ml@b"

@@ -28,6 +28,7 @@ import threading
 from absl import logging
 
 from trainer.cluster import tasks
+from trainer.common import processes
 from trainer.common.errors import UserError
 
 SSH_FAILED = 255          # ssh's own exit status: no connection, or lost
@@ -124,10 +125,14 @@ def ssh_argv(host: Host, remote: list[str], ssh_port: int | None,
 
 
 class SshTask(tasks.TaskProcess):
-    """A task started over ssh; the local process is the ssh client, in a
-    session of its own, its stdin a pipe the remote side watches."""
+    """A task started over ssh (start below); the local process is the ssh
+    client, in a session of its own, its stdin a pipe the remote side
+    watches. `host_name`: the ssh destination it runs on."""
 
-    host_name = ""   # the ssh destination it runs on
+    def __init__(self, name: str, process: subprocess.Popen,
+                 own_group: bool = True, *, host_name: str):
+        super().__init__(name, process, own_group)
+        self.host_name = host_name
 
     def signal(self, signum: int) -> None:
         """SIGTERM: close the task's stdin (trainer.remote then sends it
@@ -191,10 +196,10 @@ def start(placement: Placement, argv: list[str], delay_secs: float = 0.0,
     if delay_secs:
         argv = ["/bin/sh", "-c", 'sleep "$0" && exec "$@"',
                 f"{delay_secs:g}", *argv]
-    task = SshTask.start(placement.name, argv, None, own_session=True,
-                         die_with_parent=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
-    task.host_name = placement.host.destination
+    task = SshTask(placement.name, processes.popen(
+        placement.name, argv, None, own_session=True, die_with_parent=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.PIPE), host_name=placement.host.destination)
     tasks.relay_output(task, f"{placement.host.name} {placement.name}",
                        console, on_line)
     logging.debug("%s: %s", placement.name, shlex.join(argv))

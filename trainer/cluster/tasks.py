@@ -162,7 +162,7 @@ class Restarts:
         self.allowed, self.start, self.used = allowed, start, {}
         self.num_workers, self.ps_allowed = num_workers, ps_allowed
         self.ps_mirrors = ps_mirrors
-        self.unreachable: set[int] = set()  # workers whose host is away
+        self.away: set[int] = set()  # workers whose host is away
 
     def __call__(self, task: TaskProcess, tasks: list) -> bool:
         if task.job == "ps":
@@ -176,14 +176,14 @@ class Restarts:
                                    == INPUT_ERROR_STATUS):
             return False
         if task.unreachable:  # not the worker's failure: try until it's back
-            if task.index not in self.unreachable:
+            if task.index not in self.away:
                 logging.warning("%s: its host cannot be reached; the run "
                                 "goes on without it, and it is started "
                                 "again once its host answers", task.name)
-            self.unreachable.add(task.index)
+            self.away.add(task.index)
             tasks.append(self.start("worker", task.index))
             return True
-        self.unreachable.discard(task.index)
+        self.away.discard(task.index)
         self._again(task, tasks, self.allowed, "--worker_restarts",
                     "the run goes on without it")
         return True

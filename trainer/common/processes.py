@@ -9,7 +9,8 @@ hosts (trainer/bench/simhosts/hosts.py) use for their processes too:
   * `Child.start()`: a child process, in a session (and so a process
     group) of its own or not; `Child.relay()` hands each line of its
     output to a function, e.g. `echo_lines()`, which prefixes it with the
-    child's name (`[ps0] ...`).
+    child's name (`[ps0] ...`); `popen()` starts one alike for a Child
+    subclass built with more than a name and a process.
   * `supervise()`: waits until every child exits, or stops them all as
     soon as one fails or the caller gives up.
   * `stop_all()` / `terminate_then_kill()`: SIGTERM, a bounded wait, then
@@ -61,6 +62,25 @@ def _die_with_parent():
         pass
 
 
+def popen(name: str, argv: list, env: dict | None = None,
+          own_session: bool = True, die_with_parent: bool = False,
+          **popen_kwargs) -> subprocess.Popen:
+    """Starts argv, a process named `name` in the log (for a Child, or a
+    subclass that takes more than Child.start passes).
+
+    own_session: a session and process group of its own, which a
+      terminal's Ctrl-C does not reach; whoever starts it stops it.
+    die_with_parent: the kernel kills the child if we die (even when
+      SIGKILLed).
+    """
+    process = subprocess.Popen(
+        argv, env=env, start_new_session=own_session,
+        preexec_fn=_die_with_parent if die_with_parent else None,
+        **popen_kwargs)
+    logging.info("started %s (pid %d)", name, process.pid)
+    return process
+
+
 class Child:
     """One child process, its exit status, peak memory and output relay.
 
@@ -82,20 +102,11 @@ class Child:
     def start(cls, name: str, argv: list, env: dict | None = None,
               own_session: bool = True, die_with_parent: bool = False,
               **popen_kwargs) -> "Child":
-        """Starts argv as a child named `name` (Popen's keyword arguments
-        pass through: stdout, stderr, stdin, text, cwd).
-
-        own_session: a session and process group of its own, which a
-          terminal's Ctrl-C does not reach; whoever starts it stops it.
-        die_with_parent: the kernel kills the child if we die (even when
-          SIGKILLed).
-        """
-        process = subprocess.Popen(
-            argv, env=env, start_new_session=own_session,
-            preexec_fn=_die_with_parent if die_with_parent else None,
-            **popen_kwargs)
-        logging.info("started %s (pid %d)", name, process.pid)
-        return cls(name, process, own_group=own_session)
+        """Starts argv as a child named `name` (popen; Popen's keyword
+        arguments pass through: stdout, stderr, stdin, text, cwd)."""
+        return cls(name, popen(name, argv, env, own_session,
+                               die_with_parent, **popen_kwargs),
+                   own_group=own_session)
 
     def __repr__(self) -> str:
         return self.name
