@@ -47,8 +47,9 @@ flags.DEFINE_integer("ps", 1, "ps tasks.", lower_bound=1)
 flags.DEFINE_boolean("chief_faults", False, "Draw faults on the chief "
                      "(worker 0) too: its work then moves to another "
                      "worker (all kinds but term, which stops the run).")
-flags.DEFINE_boolean("ps_faults", False, "Draw one fault per schedule on "
-                     "a ps task (all kinds but term; a killed ps is "
+flags.DEFINE_boolean("ps_faults", False, "Draw one fault per schedule of "
+                     "two or more on a ps task, never the chief's only "
+                     "one (all kinds but term; a killed ps is "
                      "started again, and the chief restores the newest "
                      "checkpoint).")
 flags.DEFINE_enum("model", "mlp", ["mlp", "cnn"], "Model to train.")
