@@ -26,6 +26,7 @@ import time
 import pytest
 
 from tests import helpers
+from tests.outside_watch import OutsideWatch, closed_after
 from tests.test_cluster_runs import final_parameters, max_relative_difference
 from tests.test_multihost import (CPUS, PORT, STEPS, HostCluster,
                                   assert_finished)
@@ -95,6 +96,51 @@ def start_until_chief_waits(c: HostCluster) -> None:
         time.sleep(0.2)
 
 
+def watch_ports(sim, c: HostCluster, names) -> OutsideWatch:
+    """tests/outside_watch.py on the outsider: a TCP connect to each named
+    task's port every 20 ms (before it starts, until it has exited)."""
+    return OutsideWatch(sim.hosts["outsider"],
+                        [f"{c.hosts[n].address}:{PORT}" for n in names],
+                        helpers.python_env(), helpers.REPO)
+
+
+def wait_exits(c: HostCluster, names, timeout: float = 300) -> dict:
+    """{name: (exit status, wall-clock time seen)} once every named task
+    has exited, looked at every 10 ms (bounded)."""
+    exits, deadline = {}, time.monotonic() + timeout
+    while len(exits) < len(names):
+        assert time.monotonic() < deadline, c.tails()
+        for name in names:
+            status = c.processes[name].poll()
+            if name not in exits and status is not None:
+                exits[name] = (status, time.time())
+        time.sleep(0.01)
+    return exits
+
+
+def wait_no_tables(c: HostCluster, timeout: float = 20) -> None:
+    """Waits (bounded) until no host has a trainer table: their guards
+    delete them once their tasks are gone."""
+    deadline = time.monotonic() + timeout
+    while any(trainer_tables(h) for h in c.hosts.values()):
+        assert time.monotonic() < deadline, {
+            n: trainer_tables(h) for n, h in c.hosts.items()}
+        time.sleep(0.05)
+
+
+def assert_never_open(seen: dict, c: HostCluster, exits: dict) -> None:
+    """No try of the outside watch got a connection; prints, per task,
+    when its port was closed again after its exit."""
+    for name, (status, exited) in exits.items():
+        target = seen["targets"][f"{c.hosts[name].address}:{PORT}"]
+        after = closed_after(target["changes"], exited)
+        print(f"{name}: exit {status}; {target['tries']} tries "
+              f"{target['counts']}; table gone {after} s after the exit")
+    for target, watched in seen["targets"].items():
+        assert watched["open"] == [], (target, watched["open"])
+        assert watched["counts"].get("filtered"), (target, watched)
+
+
 @pytest.fixture(scope="module")
 def open_run(sim, tmp_path_factory):
     """The cluster without --firewall, the outsider trying mid-run:
@@ -121,44 +167,64 @@ def test_without_the_flag_an_outsider_reads_the_model(open_run):
 def test_with_the_flag_only_the_cluster_gets_in(sim, open_run, tmp_path):
     c = HostCluster(sim, tmp_path, helpers.real_mnist_dir(), CPUS,
                     "--firewall", "--worker_timeout_secs=120")
+    watch = watch_ports(sim, c, c.names)
     try:
-        start_until_chief_waits(c)
-        outcome = outsider_reads(sim, c)
-        assert not outcome["read"], outcome
-        assert outcome["secs"] <= OUTSIDER_TIMEOUT_SECS + 5, outcome
-        c.start("worker1")
-        c.wait_for_step(50)
-        assert f"step {STEPS}/" not in c.log("worker0")
-        # Elastic training would let the chief finish alone long before a
-        # restarted worker is up (the run is a few seconds), so the chief
-        # is paused while worker 1 is killed and restarted: the restarted
-        # one must then get through its stale table and rejoin.
-        chief = c.processes["worker0"]
-        chief.send_signal(signal.SIGSTOP)
         try:
-            c.processes["worker1"].kill()  # SIGKILL: its table stays behind
-            c.processes["worker1"].wait(timeout=30)
-            assert trainer_tables(c.hosts["worker1"]) == [TABLE]
-            c.start("worker1")
-            c.wait_for_line("worker1",
-                            "worker 1 asked the chief to take it in")
+            killed = train_through_a_killed_worker(sim, c)
+            exits = wait_exits(c, c.names)
+            assert_finished(c)
+            wait_no_tables(c)
         finally:
-            chief.send_signal(signal.SIGCONT)
-        assert_finished(c)
-        joins = re.findall(r"worker 1 \(\S+\) joined at step (\d+)",
-                           c.log("worker0"))
-        assert any(int(at) >= 50 for at in joins), c.tails()
+            c.stop()
+        seen = watch.stop()
     finally:
-        c.stop()
-    assert "replaced one left by an earlier task" in c.log("worker1")
+        watch.kill()
+    print("worker1 (SIGKILLed):")
+    assert_never_open(seen, c, {"worker1": killed})
+    assert_never_open(seen, c, exits)
+    joins = re.findall(r"worker 1 \(\S+\) joined at step (\d+)",
+                       c.log("worker0"))
+    assert any(int(at) >= 50 for at in joins), c.tails()
+    # Its guard deleted the killed worker's table: nothing to replace.
+    assert "replaced one left by an earlier task" not in c.log("worker1")
     difference = max_relative_difference(open_run[1],
                                          final_parameters(c.logdir))
     print(f"largest relative parameter difference from the open run: "
           f"{difference:.3g}")
     assert difference <= 1e-5
-    for name, host in c.hosts.items():
-        assert trainer_tables(host) == [], name
-        assert "firewall: removed table" in c.log(name), name
+    for name in c.names:
+        assert "its guard (pid" in c.log(name), name
+        assert "firewall: removed table" not in c.log(name), name
+
+
+def train_through_a_killed_worker(sim, c: HostCluster) -> tuple:
+    """The outsider's read fails; worker 1 is SIGKILLed at step 50 or
+    later, its table goes with it, and it rejoins once started again.
+    Returns the killed worker's (status, wall-clock time of its exit)."""
+    start_until_chief_waits(c)
+    outcome = outsider_reads(sim, c)
+    assert not outcome["read"], outcome
+    assert outcome["secs"] <= OUTSIDER_TIMEOUT_SECS + 5, outcome
+    c.start("worker1")
+    c.wait_for_step(50)
+    assert f"step {STEPS}/" not in c.log("worker0")
+    # Elastic training would let the chief finish alone long before a
+    # restarted worker is up (the run is a few seconds), so the chief is
+    # paused while worker 1 is killed and restarted.
+    chief = c.processes["worker0"]
+    chief.send_signal(signal.SIGSTOP)
+    try:
+        c.processes["worker1"].kill()  # SIGKILL: its guard deletes its table
+        killed = wait_exits(c, ["worker1"], 30)["worker1"]
+        deadline = time.monotonic() + 10
+        while trainer_tables(c.hosts["worker1"]):
+            assert time.monotonic() < deadline, "worker 1's table stayed"
+            time.sleep(0.05)
+        c.start("worker1")
+        c.wait_for_line("worker1", "worker 1 asked the chief to take it in")
+    finally:
+        chief.send_signal(signal.SIGCONT)
+    return killed
 
 
 def run_main(*flags, env=None, wrap=()):
@@ -239,9 +305,12 @@ def test_a_refused_ruleset_leaves_no_rule():
 
 
 # In a private network namespace: a ps task with --firewall, stopped by a
-# signal once its table is in; prints its exit status and the tables left.
+# signal once its table is in; prints its exit status, the tables left
+# once its guard is done (bounded), and what `nft` was asked to delete,
+# each with whether the port still accepted a connection at that moment
+# (an nft first on PATH that records it, then runs the real one).
 SIGNALLED = """
-import json, signal, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
 subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 task = subprocess.Popen(
     [sys.executable, "-m", "trainer.main", "--firewall", "--job_name=ps",
@@ -261,28 +330,56 @@ except subprocess.TimeoutExpired:
     task.kill()
     status = task.wait()
 seen += task.stdout.readlines()
-tables = subprocess.run(["nft", "list", "tables"], capture_output=True,
-                        text=True).stdout
-print(json.dumps({"status": status, "tables": tables, "log": "".join(seen)}))
+deadline = time.monotonic() + 10
+while True:
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True,
+                            text=True).stdout
+    if "mnist_trainer_" not in tables or time.monotonic() > deadline:
+        break
+    time.sleep(0.05)
+deletes = open(os.environ["NFT_DELETES"]).read().splitlines()
+print(json.dumps({"status": status, "tables": tables, "log": "".join(seen),
+                  "deletes": [json.loads(d) for d in deletes]}))
+"""
+RECORDING_NFT = """#!{python}
+import json, os, socket, sys
+if sys.argv[1:2] == ["delete"]:
+    listening = socket.socket().connect_ex(("127.0.0.1", 2222)) == 0
+    with open(os.environ["NFT_DELETES"], "a") as log:
+        log.write(json.dumps({{"args": sys.argv[1:],
+                               "listening": listening}}) + "\\n")
+os.execv({nft!r}, [{nft!r}, *sys.argv[1:]])
 """
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
                     reason="needs root and nft")
-@pytest.mark.parametrize("signal_name, status", [("SIGTERM", 143),
-                                                 ("SIGINT", 130)])
-def test_sigterm_and_ctrl_c_remove_the_table(signal_name, status):
+@pytest.mark.parametrize("signal_name, status", [
+    ("SIGTERM", 143), ("SIGINT", 130), ("SIGKILL", -signal.SIGKILL)])
+def test_a_signal_leaves_no_table_once_nothing_listens(
+        signal_name, status, tmp_path):
+    (tmp_path / "bin").mkdir()
+    nft = tmp_path / "bin" / "nft"
+    nft.write_text(RECORDING_NFT.format(python=sys.executable,
+                                        nft=shutil.which("nft")))
+    nft.chmod(0o755)
+    env = helpers.python_env(PATH=f"{nft.parent}:{os.environ['PATH']}",
+                             NFT_DELETES=str(tmp_path / "deletes"))
+    (tmp_path / "deletes").write_text("")
     result = subprocess.run(
         ["unshare", "--net", sys.executable, "-c", SIGNALLED, signal_name],
         capture_output=True, text=True, timeout=150, cwd=helpers.REPO,
-        env=helpers.python_env())
+        env=env)
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     log = outcome["log"]
     assert "firewall: table inet mnist_trainer_2222" in log, log
     assert "serving" in log, log
+    assert "its guard (pid" in log, log
     assert outcome["status"] == status, log
-    assert "firewall: removed table inet mnist_trainer_2222" in log, log
     assert firewall.TABLE_PREFIX not in outcome["tables"]
+    [delete] = outcome["deletes"]
+    assert delete["args"][:4] == ["delete", "table", "inet", "handle"]
+    assert not delete["listening"], outcome
 
 
 def test_the_ruleset_names_the_port_and_every_address():

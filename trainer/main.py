@@ -27,7 +27,7 @@ from trainer.common.config import validate  # noqa: E402
 from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
 FLAGS = trainer_flags.FLAGS
-# Run before os._exit (which skips atexit): e.g. removing --firewall's rules.
+# Run before os._exit (which skips atexit): e.g. --firewall's at_exit.
 _AT_EXIT = []
 
 
@@ -104,12 +104,15 @@ def _wait_for(thread, terminated: list, terminate) -> None:
 
 
 def _install_firewall(task) -> None:
-    """--firewall: this task's nftables table, removed at any exit
-    (normal, error, Ctrl-C, SIGTERM; _exit_now runs _AT_EXIT too)."""
+    """--firewall: this task's nftables table, in before the server binds.
+    Its guard deletes it once this process has exited, however it ends
+    (trainer/cluster/table_guard.py); wall.at_exit (run at any exit:
+    atexit, and _exit_now's _AT_EXIT) deletes it only where no guard
+    watches."""
     from trainer.cluster import firewall
     wall = firewall.Firewall(task)
-    _AT_EXIT.append(wall.remove)
-    atexit.register(wall.remove)
+    _AT_EXIT.append(wall.at_exit)
+    atexit.register(wall.at_exit)
     wall.install(task)
 
 

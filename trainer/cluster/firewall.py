@@ -22,19 +22,29 @@ resolved once at start (IPv4 and IPv6). The table goes in with one `nft -f`
 transaction, which also deletes a table of the same name left by a task
 that was killed: the kernel applies all of it or none of it.
 
-`Firewall.remove()` deletes the table; trainer/main.py calls it when the
-task exits, on Ctrl-C and on SIGTERM too. Only SIGKILL (or a lost machine)
-leaves the table behind; the next start on that port replaces it.
+The table must outlive the server: TensorFlow keeps listening until the
+task's process is gone, after any code of the task could run. So right
+after installing it, the task starts its guard (trainer/cluster/
+table_guard.py: a small process of its own session that waits on the
+task's pidfd), and the guard deletes the table, by its handle, once the
+task has exited: a normal end, an error, Ctrl-C, SIGTERM and SIGKILL
+alike. The task never deletes it itself, unless its guard could not
+start or died (`Firewall.at_exit()`: then at its exit, as a last resort,
+with a warning that the port is open while the server shuts down). Only
+a lost machine, or a guard killed too, leaves the table behind, its port
+closed; the next start on that port replaces it.
 """
 
 import ipaddress
 import os
+import re
 import shutil
 import socket
 import subprocess
 
 from absl import logging
 
+from trainer.cluster import table_guard
 from trainer.cluster.spec import Task, split_address
 from trainer.common.errors import UserError
 
@@ -107,40 +117,94 @@ def check_available() -> None:
                         "or drop --firewall")
 
 
+def _handle(table: str, echoed: str) -> int | None:
+    """The handle of our table from `nft --echo --handle` output (its last
+    `add table` line), else from a listing; None if neither says."""
+    pattern = rf"^add table inet {table} # handle (\d+)$"
+    found = re.findall(pattern, echoed, flags=re.M)
+    if not found:
+        listing = _nft(["--handle", "list", "table", "inet", table]).stdout
+        found = re.findall(rf"^table inet {table} {{ # handle (\d+)$",
+                           listing, flags=re.M)
+    return int(found[-1]) if found else None
+
+
 class Firewall:
-    """This task's table: install() before the server, remove() at exit."""
+    """This task's table: install() before the server binds, at_exit()
+    when the task exits (the table's guard deletes it after)."""
 
     def __init__(self, task: Task):
         _, self.port = split_address(task.address, "this task's address")
         self.table = table_name(self.port)
         self.installed = False
         self.v4, self.v6 = [], []
+        self.handle: int | None = None
+        self.guard = None   # subprocess.Popen of table_guard, once watching
 
     def install(self, task: Task) -> None:
-        """Checks, resolves, then installs in one transaction; raises
-        UserError (nothing installed) on any failure."""
+        """Checks, resolves, installs in one transaction, then starts the
+        table's guard; raises UserError (nothing installed) on a failure
+        before the guard. A guard that cannot start is warned about."""
         check_available()
         self.v4, self.v6 = resolve_hosts(task)
         replace = table_exists(self.port)
-        result = _nft(["-f", "-"], ruleset(self.port, self.v4, self.v6))
+        result = _nft(["--echo", "--handle", "-f", "-"],
+                      ruleset(self.port, self.v4, self.v6))
         if result.returncode:
             reason = (result.stderr.strip().splitlines() or ["no message"])
             raise UserError(f"--firewall: nft refused table {self.table} "
                             f"({reason[0]}); nothing was installed; {_FIX}")
         self.installed = True
+        self.handle = _handle(self.table, result.stdout)
         logging.info(
             "firewall: table inet %s%s; port %d accepts TCP only from "
             "loopback and %s; all else dropped", self.table,
             " (replaced one left by an earlier task)" if replace else "",
             self.port, ", ".join(self.v4 + self.v6))
+        self._start_guard()
+
+    def _start_guard(self) -> None:
+        why = "nft did not say the table's handle"
+        if self.handle is not None:
+            try:
+                self.guard = table_guard.start(self.table, self.handle)
+            except OSError as e:
+                why = str(e)
+        if self.guard is not None:
+            logging.info("firewall: the table stays until this process has "
+                         "exited; its guard (pid %d) deletes it then",
+                         self.guard.pid)
+            return
+        logging.warning("firewall: no guard for table inet %s (%s); this "
+                        "task deletes it as it exits, which leaves port %d "
+                        "open while its server shuts down", self.table, why,
+                        self.port)
+
+    def at_exit(self) -> None:
+        """At the task's exit: nothing while the guard watches (it deletes
+        the table once the process is gone); else remove() now.
+        Idempotent, never raises."""
+        if not self.installed:
+            return
+        if self.guard is not None and self.guard.poll() is None:
+            return
+        if self.guard is not None:
+            logging.warning("firewall: the guard of table inet %s exited "
+                            "early (status %s); deleting the table now, "
+                            "with the server still up", self.table,
+                            self.guard.returncode)
+        self.remove()
 
     def remove(self) -> None:
-        """Deletes the table if we installed it; idempotent, never raises."""
+        """Deletes the table now if we installed it; idempotent, never
+        raises. Its port is open from then on while the server listens."""
         if not self.installed:
             return
         self.installed = False
+        which = (["handle", str(self.handle)] if self.handle is not None
+                 else [self.table])
         try:
-            result = _nft(["delete", "table", "inet", self.table])
+            result = _nft(["delete", "table", "inet", *which])
         except (OSError, subprocess.SubprocessError) as e:
             result = subprocess.CompletedProcess([], 1, "", str(e))
         if result.returncode:
