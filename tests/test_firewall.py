@@ -6,7 +6,10 @@ fourth host, `outsider`, is on the same bridge but not in the cluster. It
 runs tests/outsider.py: `tf.compat.v1.Session("grpc://PS:2222")` and a read
 of the model's first parameter shard. It tries while the chief waits for
 worker 1 (after "chief ready", before worker 1 starts), so the model is on
-the ps for any timing.
+the ps for any timing. The outsider also watches every task's port from
+outside, from before the first start until the last exit
+(tests/firewall_runs.py): no connection may get through, as any task
+ends (normal, failed, SIGTERM, Ctrl-C, SIGKILL).
 
 Needs root, simulated hosts, `nft` and the real MNIST; skipped with the
 reason otherwise. Bad input (no root, no nft, a host that does not
@@ -26,7 +29,9 @@ import time
 import pytest
 
 from tests import helpers
-from tests.outside_watch import OutsideWatch, closed_after
+from tests.firewall_runs import (ENDINGS, assert_never_open, end_watched,
+                                 start_until_chief_waits, trainer_tables,
+                                 wait_exits, wait_no_tables, watch_ports)
 from tests.test_cluster_runs import final_parameters, max_relative_difference
 from tests.test_multihost import (CPUS, PORT, STEPS, HostCluster,
                                   assert_finished)
@@ -36,7 +41,6 @@ from trainer.cluster import spec as cluster_spec
 from trainer.common.errors import UserError
 
 OUTSIDER_TIMEOUT_SECS = 5
-TABLE = firewall.table_name(PORT)
 
 
 @pytest.fixture(scope="module")
@@ -74,71 +78,6 @@ def outsider_reads(sim, c: HostCluster) -> dict:
     print(f"outsider ({sim.hosts['outsider'].address}) -> {target}: "
           f"{outcome}")
     return outcome
-
-
-def trainer_tables(host) -> list[str]:
-    """The trainer's nftables tables in a host's namespace."""
-    listing = subprocess.run(
-        ["ip", "netns", "exec", host.namespace, "nft", "list", "tables"],
-        capture_output=True, text=True, timeout=30, check=True).stdout
-    return re.findall(rf"\b{firewall.TABLE_PREFIX}\d+\b", listing)
-
-
-def start_until_chief_waits(c: HostCluster) -> None:
-    """ps0 and the chief; returns once the chief has the model on the ps
-    and waits for worker 1 (not started yet)."""
-    c.start("ps0")
-    c.start("worker0")
-    deadline = time.monotonic() + 240
-    while "chief ready at global step 0" not in c.log("worker0"):
-        assert time.monotonic() < deadline, c.tails()
-        assert c.processes["worker0"].poll() is None, c.tails()
-        time.sleep(0.2)
-
-
-def watch_ports(sim, c: HostCluster, names) -> OutsideWatch:
-    """tests/outside_watch.py on the outsider: a TCP connect to each named
-    task's port every 20 ms (before it starts, until it has exited)."""
-    return OutsideWatch(sim.hosts["outsider"],
-                        [f"{c.hosts[n].address}:{PORT}" for n in names],
-                        helpers.python_env(), helpers.REPO)
-
-
-def wait_exits(c: HostCluster, names, timeout: float = 300) -> dict:
-    """{name: (exit status, wall-clock time seen)} once every named task
-    has exited, looked at every 10 ms (bounded)."""
-    exits, deadline = {}, time.monotonic() + timeout
-    while len(exits) < len(names):
-        assert time.monotonic() < deadline, c.tails()
-        for name in names:
-            status = c.processes[name].poll()
-            if name not in exits and status is not None:
-                exits[name] = (status, time.time())
-        time.sleep(0.01)
-    return exits
-
-
-def wait_no_tables(c: HostCluster, timeout: float = 20) -> None:
-    """Waits (bounded) until no host has a trainer table: their guards
-    delete them once their tasks are gone."""
-    deadline = time.monotonic() + timeout
-    while any(trainer_tables(h) for h in c.hosts.values()):
-        assert time.monotonic() < deadline, {
-            n: trainer_tables(h) for n, h in c.hosts.items()}
-        time.sleep(0.05)
-
-
-def assert_never_open(seen: dict, c: HostCluster, exits: dict) -> None:
-    """No try of the outside watch got a connection; prints, per task,
-    when its port was closed again after its exit."""
-    for name, (status, exited) in exits.items():
-        target = seen["targets"][f"{c.hosts[name].address}:{PORT}"]
-        after = closed_after(target["changes"], exited)
-        print(f"{name}: exit {status}; {target['tries']} tries "
-              f"{target['counts']}; table gone {after} s after the exit")
-    for target, watched in seen["targets"].items():
-        assert watched["open"] == [], (target, watched["open"])
-        assert watched["counts"].get("filtered"), (target, watched)
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +166,19 @@ def train_through_a_killed_worker(sim, c: HostCluster) -> tuple:
     return killed
 
 
+@pytest.mark.parametrize("ending", ["SIGINT", "SIGTERM", "failed"])
+def test_no_ending_opens_a_port(sim, tmp_path, ending):
+    end_watched(sim, tmp_path, ending)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_no_ending_opens_a_port_ten_times(sim, tmp_path, ending):
+    for run in range(10):
+        print(f"{ending}, run {run + 1} of 10:")
+        end_watched(sim, tmp_path / f"run{run}", ending)
+
+
 def run_main(*flags, env=None, wrap=()):
     """`python -m trainer.main --firewall ...`, bounded; (status, output)."""
     argv = [*wrap, sys.executable, "-m", "trainer.main", "--firewall",
@@ -304,72 +256,18 @@ def test_a_refused_ruleset_leaves_no_rule():
     assert firewall.TABLE_PREFIX not in result.stdout.split("status=2")[1]
 
 
-# In a private network namespace: a ps task with --firewall, stopped by a
-# signal once its table is in; prints its exit status, the tables left
-# once its guard is done (bounded), and what `nft` was asked to delete,
-# each with whether the port still accepted a connection at that moment
-# (an nft first on PATH that records it, then runs the real one).
-SIGNALLED = """
-import json, os, signal, subprocess, sys, time
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-task = subprocess.Popen(
-    [sys.executable, "-m", "trainer.main", "--firewall", "--job_name=ps",
-     "--task_index=0", "--ps_hosts=localhost:2222",
-     "--worker_hosts=localhost:2223"], stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT, text=True)
-seen = []
-deadline = time.monotonic() + 60
-for line in task.stdout:
-    seen.append(line)
-    if "serving" in line or time.monotonic() > deadline:
-        break
-task.send_signal(getattr(signal, sys.argv[1]))
-try:
-    status = task.wait(timeout=30)
-except subprocess.TimeoutExpired:
-    task.kill()
-    status = task.wait()
-seen += task.stdout.readlines()
-deadline = time.monotonic() + 10
-while True:
-    tables = subprocess.run(["nft", "list", "tables"], capture_output=True,
-                            text=True).stdout
-    if "mnist_trainer_" not in tables or time.monotonic() > deadline:
-        break
-    time.sleep(0.05)
-deletes = open(os.environ["NFT_DELETES"]).read().splitlines()
-print(json.dumps({"status": status, "tables": tables, "log": "".join(seen),
-                  "deletes": [json.loads(d) for d in deletes]}))
-"""
-RECORDING_NFT = """#!{python}
-import json, os, socket, sys
-if sys.argv[1:2] == ["delete"]:
-    listening = socket.socket().connect_ex(("127.0.0.1", 2222)) == 0
-    with open(os.environ["NFT_DELETES"], "a") as log:
-        log.write(json.dumps({{"args": sys.argv[1:],
-                               "listening": listening}}) + "\\n")
-os.execv({nft!r}, [{nft!r}, *sys.argv[1:]])
-"""
-
-
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
                     reason="needs root and nft")
 @pytest.mark.parametrize("signal_name, status", [
     ("SIGTERM", 143), ("SIGINT", 130), ("SIGKILL", -signal.SIGKILL)])
 def test_a_signal_leaves_no_table_once_nothing_listens(
         signal_name, status, tmp_path):
-    (tmp_path / "bin").mkdir()
-    nft = tmp_path / "bin" / "nft"
-    nft.write_text(RECORDING_NFT.format(python=sys.executable,
-                                        nft=shutil.which("nft")))
-    nft.chmod(0o755)
-    env = helpers.python_env(PATH=f"{nft.parent}:{os.environ['PATH']}",
-                             NFT_DELETES=str(tmp_path / "deletes"))
-    (tmp_path / "deletes").write_text("")
+    # A ps in a private network namespace (tests/signalled_ps.py): its
+    # guard deletes the table, and only once nothing listens on the port.
     result = subprocess.run(
-        ["unshare", "--net", sys.executable, "-c", SIGNALLED, signal_name],
-        capture_output=True, text=True, timeout=150, cwd=helpers.REPO,
-        env=env)
+        ["unshare", "--net", sys.executable, "-m", "tests.signalled_ps",
+         signal_name, str(tmp_path)], capture_output=True, text=True,
+        timeout=150, cwd=helpers.REPO, env=helpers.python_env())
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     log = outcome["log"]
     assert "firewall: table inet mnist_trainer_2222" in log, log

@@ -6,12 +6,17 @@ writes one JSON line per call to a file: its arguments, the time, and
 whether the listener's port still accepted a connection at that moment.
 The guard must call `nft delete table inet handle H` once, and only once
 nothing listens any more, however the listener ended.
+
+With root and nftables, in a network namespace of the test's own, the
+real tables: a table put in again on the same port outlives the guard of
+the earlier one, and one whose guard was killed stays until replaced.
 """
 
 import json
 import os
 import pathlib
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,3 +246,92 @@ def test_the_task_deletes_its_table_only_without_a_guard(
     deleted = [c for c in calls if c[0] == "delete"]
     assert deleted == ([["delete", "table", "inet", "handle", "7"]]
                        if deletes else [])
+
+
+# With real nftables, in a network namespace of the test's own: a process
+# that installs ps 0's table for port 2222 and its guard, prints
+# "HANDLE GUARD_PID" and exits when its stdin closes.
+INSTALL = """
+import sys
+from absl import logging
+from trainer.cluster import firewall, spec
+logging.set_verbosity(logging.INFO)
+task = spec.resolve("ps", 0, "localhost:2222", "localhost:2223", None)
+wall = firewall.Firewall(task)
+wall.install(task)
+print(wall.handle, wall.guard.pid, flush=True)
+sys.stdin.read()
+"""
+needs_nft = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("nft") is None
+    or shutil.which("nsenter") is None, reason="needs root, nft, nsenter")
+
+
+@pytest.fixture
+def netns():
+    """`nsenter` arguments into a new network namespace, held by a sleep
+    that is killed at the end."""
+    holder = subprocess.Popen(["unshare", "--net", "sleep", "300"])
+    try:
+        enter = ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
+        deadline = time.monotonic() + WAIT_SECS
+        while os.readlink(f"/proc/{holder.pid}/ns/net") == os.readlink(
+                "/proc/self/ns/net"):   # until unshare has run
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        yield enter
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+class Installer:
+    def __init__(self, enter: list[str]):
+        self.process = subprocess.Popen(
+            [*enter, sys.executable, "-c", INSTALL], cwd=helpers.REPO,
+            env=helpers.python_env(), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            self.handle, self.guard = map(
+                int, self.process.stdout.readline().split())
+        except ValueError:
+            self.process.kill()
+            raise AssertionError(self.process.communicate()[1]) from None
+
+    def end(self) -> str:
+        """Lets it exit; its stderr."""
+        return self.process.communicate(timeout=WAIT_SECS)[1]
+
+
+def tables(enter: list[str]) -> str:
+    return subprocess.run([*enter, "nft", "-a", "list", "ruleset"],
+                          capture_output=True, text=True, check=True,
+                          timeout=WAIT_SECS).stdout
+
+
+@needs_nft
+def test_an_earlier_guard_leaves_a_later_table_alone(netns):
+    first = Installer(netns)
+    second = Installer(netns)   # the same port, before the first is gone
+    assert second.handle != first.handle
+    first.end()
+    wait_gone(first.guard)   # it found no table of its handle: left quiet
+    assert f"mnist_trainer_2222 {{ # handle {second.handle}\n" in tables(
+        netns)
+    log = second.end()
+    assert "replaced one left by an earlier task" in log, log
+    wait_gone(second.guard)
+    assert "mnist_trainer_2222" not in tables(netns)
+
+
+@needs_nft
+def test_a_table_whose_guard_was_killed_stays_until_replaced(netns):
+    first = Installer(netns)
+    os.kill(first.guard, signal.SIGKILL)
+    first.end()
+    assert "mnist_trainer_2222" in tables(netns)   # the port stays closed
+    second = Installer(netns)
+    log = second.end()
+    assert "replaced one left by an earlier task" in log, log
+    wait_gone(second.guard)
+    assert "mnist_trainer_2222" not in tables(netns)
