@@ -248,6 +248,13 @@ def test_the_task_deletes_its_table_only_without_a_guard(
                        if deletes else [])
 
 
+def test_without_an_echo_the_handle_comes_from_a_listing(monkeypatch):
+    listing = "table inet mnist_trainer_2222 { # handle 9\n\tchain input {"
+    monkeypatch.setattr(firewall, "_nft", lambda args: subprocess.
+                        CompletedProcess(args, 0, listing, ""))
+    assert firewall._handle("mnist_trainer_2222", "") == 9
+
+
 # With real nftables, in a network namespace of the test's own: a process
 # that installs ps 0's table for port 2222 and its guard, prints
 # "HANDLE GUARD_PID" and exits when its stdin closes.

@@ -61,6 +61,8 @@ def start(table: str, handle: int) -> subprocess.Popen:
     """Starts the guard of table `table` (handle `handle`) for this
     process and returns it once it watches; raises OSError saying why
     not (then no guard runs)."""
+    if not sys.executable:
+        raise OSError("no Python executable to run it with")
     argv = [sys.executable, "-I", "-S", os.path.abspath(__file__),
             f"--pid={os.getpid()}", f"--table={table}", f"--handle={handle}"]
     # fork+exec without running Python in the child: safe with threads.
