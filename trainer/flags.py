@@ -180,7 +180,8 @@ flags.DEFINE_string("trace_steps", None,
 flags.DEFINE_boolean("firewall", False,
                      "Before the server starts, install an nftables table "
                      "(root) so that this task's port accepts TCP only from "
-                     "loopback and the cluster's hosts; removed at exit "
+                     "loopback and the cluster's hosts; a guard process "
+                     "removes it once this task has exited, however it ends "
                      "(docs/deploying.md#security).")
 flags.DEFINE_boolean("debug", False, "Show tracebacks of errors.")
 
