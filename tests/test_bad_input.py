@@ -79,6 +79,9 @@ def assert_one_line_error(result, status: int, *phrases: str):
      ["--model=resnet", "value should be one of <softmax|mlp|cnn>"]),
     (["--job_name=worker", "--task_index=0", "--optimizer=lamb"], 2,
      ["--optimizer=lamb", "value should be one of <sgd|momentum|adam>"]),
+    (["--job_name=ps", "--task_index=0", "--ps_mirrors"], 2,
+     ["--ps_mirrors keeps each ps's shards on the next ps and needs 2 ps "
+      "tasks or more, not 1; add a ps task or drop --ps_mirrors"]),
 ])
 def test_bad_flags(args, status, phrases):
     defaults = {"--ps_hosts": "localhost:4001",
@@ -107,6 +110,8 @@ def test_the_retired_chunk_kb_is_refused_naming_the_fix():
      ["--num_ps=0", "0 is not a positive integer", "--helpshort"]),
     ("trainer.launch", ["--wire_dtype=int8"],
      ["--wire_dtype=int8", "value should be one of <float32|bfloat16"]),
+    ("trainer.launch", ["--ps_mirrors"],
+     ["--ps_mirrors", "needs 2 ps tasks or more, not 1"]),
     ("trainer.launch", ["--num_workers=2", "stray"],
      ["unexpected arguments: stray", "--flag=value"]),
     ("trainer.benchmark", ["--model=resnet"],

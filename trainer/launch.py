@@ -29,6 +29,7 @@ from trainer.cluster import ssh as ssh_lib
 from trainer.cluster import ssh_launcher
 from trainer.common import console as console_lib
 from trainer.observe import status_line
+from trainer.common.config import validate
 from trainer.common.errors import UserError
 
 trainer_flags.define_local_cluster_flags()
@@ -102,6 +103,12 @@ def main(argv) -> int:
     # SIGINT as ignored, and Python then never raises KeyboardInterrupt.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    try:  # the tasks check again; one line here rather than one per task
+        validate(trainer_flags.config_from_flags(), FLAGS.num_workers,
+                 FLAGS.num_ps)
+    except UserError as e:
+        logging.error("%s", e)
+        return trainer_flags.INPUT_ERROR_STATUS
     if FLAGS.ssh_hosts:
         return _with_console(_launch_over_ssh)
     try:
@@ -117,12 +124,7 @@ def main(argv) -> int:
         FLAGS.num_ps, FLAGS.num_workers, FLAGS.host,
         trainer_flags.forwarded_flags(), worker_threads(FLAGS.num_workers),
         FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        isolated, console, on_chief_line, FLAGS.ps_restarts, _mirrored()))
-
-
-def _mirrored() -> bool:
-    """--ps_mirrors with 2 or more ps: the run survives a ps but ps 0."""
-    return FLAGS.ps_mirrors and FLAGS.num_ps > 1
+        isolated, console, on_chief_line, FLAGS.ps_restarts, FLAGS.ps_mirrors))
 
 
 def _with_console(run) -> int:
@@ -163,7 +165,7 @@ def _launch_over_ssh(console, on_chief_line) -> int:
         hosts, FLAGS.num_ps, num_workers, FLAGS.base_port, remote,
         remote_lib.facts([], None, True), trainer_flags.forwarded_flags(),
         check, FLAGS.exit_grace_secs, FLAGS.report, FLAGS.worker_restarts,
-        console, on_chief_line, FLAGS.ps_restarts, _mirrored())
+        console, on_chief_line, FLAGS.ps_restarts, FLAGS.ps_mirrors)
 
 
 def run_main():

@@ -38,7 +38,7 @@ def main(argv) -> int:
     try:
         task = trainer_flags.task_from_flags()
         config = trainer_flags.config_from_flags()
-        validate(config, task.cluster.num_workers)
+        validate(config, task.cluster.num_workers, task.cluster.num_ps)
         if FLAGS.firewall:
             _install_firewall(task)
     except UserError as e:

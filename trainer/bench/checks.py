@@ -39,7 +39,8 @@ def check_settings(out: pathlib.Path) -> tuple[list[int], object]:
     if unknown:
         raise UserError(f"--baselines: unknown {', '.join(sorted(unknown))};"
                         f" use any of {', '.join(known)}")
-    validate(trainer_flags.config_from_flags(), max(worker_counts))
+    validate(trainer_flags.config_from_flags(), max(worker_counts),
+             FLAGS.num_ps)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out={out} already holds a benchmark; give a "
                         "new folder (or leave --out out for a fresh one)")

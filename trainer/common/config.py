@@ -195,12 +195,18 @@ def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
             f"{num_workers} workers; lower --micro_batch")
 
 
-def validate(config: TrainConfig, num_workers: int) -> None:
-    """Raises UserError naming the first bad setting and how to fix it.
+def validate(config: TrainConfig, num_workers: int,
+             num_ps: int | None = None) -> None:
+    """Raises UserError naming the first bad setting and how to fix it
+    (num_ps: the cluster's ps tasks, None where not known yet).
     (A --batch_size above the training examples is refused once they are
     read, by TrainConfig.resolved_train_steps.)"""
     if config.chunk_kb:
         raise UserError(CHUNK_KB_RETIRED)
+    if config.ps_mirrors and num_ps is not None and num_ps < 2:
+        raise UserError("--ps_mirrors keeps each ps's shards on the next ps"
+                        f" and needs 2 ps tasks or more, not {num_ps}; add "
+                        "a ps task or drop --ps_mirrors")
     if config.model not in MODELS:
         raise UserError(f"--model={config.model} is unknown; choose one of "
                         f"{', '.join(MODELS)}")

@@ -146,7 +146,7 @@ class WorkerRole(abc.ABC):
     def _connect(self) -> None:
         timeout = self.config.startup_timeout_secs
         down = self.take_back = None
-        if serving.mirrored(self.config, self.task):
+        if self.config.ps_mirrors:
             wait_for_ps(self.task, timeout, only=[0])
             down, self.take_back = self.graphs.choose(
                 self.server.target, self.g.chief is not None)

@@ -27,7 +27,7 @@ from trainer.roles.worker import Worker
 
 def run(config: TrainConfig, task: Task) -> None:
     """Runs this task to the end of training; raises UserError/RunFailed."""
-    validate(config, task.cluster.num_workers)
+    validate(config, task.cluster.num_workers, task.cluster.num_ps)
     ports.check_free(task)
     if task.job_name == "ps":
         ps.serve(config, task, start_server(config, task))

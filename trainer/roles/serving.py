@@ -88,7 +88,7 @@ def chief_choice(task, config, reader: Ps0Reader) -> int | None:
     """The ps the chief does without, or None (wait for every ps, as
     without mirrors): one ps other than ps 0 that does not answer, while
     ps 0 holds a run and every other ps answers."""
-    if not mirrored(config, task):
+    if not config.ps_mirrors:
         return None
     silent = [i for i in range(task.cluster.num_ps)
               if not port_open(task, i)]
@@ -162,15 +162,10 @@ def chief_watch(chief):
     """The chief's PsWatch (trainer/roles/chief.py), a context manager:
     a ps gone down is done without at once, one done without that answers
     again is taken back at a step boundary."""
-    if not mirrored(chief.config, chief.task):
+    if not chief.config.ps_mirrors:
         return contextlib.nullcontext()
     return PsWatch(chief.task, chief.g.ps_down, lambda k: chief.reconnect(
         f"ps {k} refuses connections"), chief.serve_again)
-
-
-def mirrored(config, task) -> bool:
-    """Whether a ps may be done without (--ps_mirrors, 2 or more ps)."""
-    return config.ps_mirrors and task.cluster.num_ps > 1
 
 
 def ps_tasks(task, down: int | None) -> list[int] | None:

@@ -18,8 +18,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles.background import ThreadCall, close_within
-from trainer.roles.serving import (Ps0Reader, chief_choice, mirrored,
-                                   worker_choice)
+from trainer.roles.serving import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
 
 PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
@@ -39,7 +38,7 @@ class Graphs:
         graphs without a ps beforehand (the chief's)."""
         self._task, self._config, self._build = task, config, build
         self._warm, self._ahead = warm, ahead
-        self._mirrored = mirrored(config, task)
+        self._mirrored = config.ps_mirrors
         self._lock = threading.Lock()
         self._built = {}    # ps_down -> WorkerGraph
         self._warmed = {}   # ps_down -> Warmed, of this era
