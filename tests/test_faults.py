@@ -20,7 +20,8 @@ from tests.test_cluster_runs import (assert_all_gone, final_parameters,
 
 pytestmark = pytest.mark.cluster
 STEPS = 300
-FLAGS = ("--model=mlp", "--batch_size=60", f"--train_steps={STEPS}",
+BATCH = 60
+FLAGS = ("--model=mlp", f"--batch_size={BATCH}", f"--train_steps={STEPS}",
          "--log_every=20", "--checkpoint_every=50", "--seed=5")
 
 
@@ -142,6 +143,14 @@ def test_chief_killed_and_its_work_taken_over(cluster, tmp_path, reference,
     assert [c.wait(n) for n in ("worker1", "ps0")] == [0, 0]
     assert not re.search("restored", c.log("worker1"))
     assert_same_as_reference(tmp_path / "logs", reference)
+    # results.json counts the whole run, the lost chief's steps too, and
+    # lists the joins before the takeover (ps 0 keeps both).
+    results = json.loads((tmp_path / "logs" / "results.json").read_text())
+    assert results["steps_this_run"] == STEPS, results
+    assert sum(results["averaged_examples"].values()) == BATCH * STEPS
+    assert results["averaged_steps"]["0"] >= took - 1, results
+    assert any(r["worker"] == 1 and r["event"] == "joined"
+               and r["step"] < took for r in results["membership"]), results
 
 
 def test_ps_killed_and_restarted(cluster, tmp_path, reference):

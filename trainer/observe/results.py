@@ -75,13 +75,50 @@ class ChiefReport:
     step_breakdown: dict | None = None   # traced step phases (tracing.py)
 
 
+class Counted:
+    """Each worker's averaged steps and examples, int64 [N, 2], over the
+    steps from `since` on. ps 0 counts them (sync/contributions, from the
+    last initialize or restore, whichever chief applied them); this adds
+    what a restore by this chief set back (`before`)."""
+
+    def __init__(self, num_workers: int):
+        self._zeros = np.zeros([num_workers, 2], np.int64)
+        self._at_save = {}     # step -> the counts at our checkpoint there
+        self.before = None     # added to ps 0's counts
+        self.since = None      # the first step counted
+
+    def initialized(self, step: int) -> None:
+        self.before, self.since = self._zeros, step
+
+    def restored(self, step: int) -> None:
+        """ps 0's counts start again at `step`: ours carry over a restore
+        of a checkpoint of ours."""
+        self.before = self._at_save.get(step, self._zeros)
+        if step not in self._at_save:
+            self.since = step
+
+    def kept(self, record_from: int) -> None:
+        """Going on from the state on the ps tasks: ps 0's counts hold
+        every step since record_from, our predecessors' too."""
+        if self.before is None:
+            self.before, self.since = self._zeros, record_from
+
+    def saved(self, step: int, on_ps0: np.ndarray) -> None:
+        self._at_save[step] = self.total(on_ps0)
+
+    def total(self, on_ps0: np.ndarray) -> np.ndarray:
+        return self.before + on_ps0
+
+
 def ps_results(outcome: Outcome, config: TrainConfig, train_steps: int,
                cluster: Cluster, counts: ChiefReport) -> dict:
-    """The ps trainer's results.json. averaged_steps: the applied steps of
-    this launch whose average held each worker's gradient (ps-side,
-    exact); averaged_examples: the examples of each worker's slices in
-    them; pushed_gradients: what each worker says it pushed (stale,
-    dropped and redone ones included); membership: every roster change."""
+    """The ps trainer's results.json. averaged_steps: the applied steps
+    since this launch initialized or restored the model (steps_this_run
+    of them), across connects and takeovers, whose average held each
+    worker's gradient (ps-side, exact); averaged_examples: the examples of
+    each worker's slices in them; pushed_gradients: what each worker says
+    it pushed (stale, dropped and redone ones included); membership:
+    every roster change in them."""
     return {
         **results_fields(outcome, config, train_steps),
         "global_step": train_steps,

@@ -3,11 +3,11 @@ role, starts, runs the update, evaluates, checkpoints, reports, ends."""
 
 import contextlib
 import dataclasses
+import json
 import pathlib
 import time
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 
 from trainer.common.errors import RunFailed
@@ -36,10 +36,7 @@ class Chief(WorkerRole):
     def __init__(self, *args, taking_over=None, **kwargs):
         super().__init__(*args, as_chief=True, **kwargs)
         self.taking_over = taking_over
-        # sync/contributions (on ps 0) restarts at every restore; its counts
-        # at each of our checkpoints (int64 [N, 2]) carry over a restore.
-        self._counted_at_save = {}
-        self._counted_before = None   # the counts at the restored step
+        self.counted = results_lib.Counted(self.task.cluster.num_workers)
         self.halt_reason = None       # why training ends early (halt)
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
@@ -73,7 +70,7 @@ class Chief(WorkerRole):
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
         writer.close()
-        counted = self._counted_before + self.session.run(ops.contributions)
+        counted = self.counted.total(self.session.run(ops.contributions))
         # From the last initialize or restore, across takeovers: a step
         # applied by two chiefs reads 2 (step_record.py).
         record_from = int(self.session.run(ops.record_from))
@@ -93,7 +90,7 @@ class Chief(WorkerRole):
         results_lib.write_ps_results(
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
-                self.train_steps - step, counted,
+                self.train_steps - self.counted.since, counted,
                 {self.k: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), record_from,
                 step_breakdown))
@@ -142,12 +139,18 @@ class Chief(WorkerRole):
             "roster": ops.roster, "slices": ops.slices,
             "last_push": ops.last_push, "issued_round": ops.issued_round})
         session = self.session
+        kept = json.loads(session.run(ops.membership_log).decode() or "[]")
+
+        def keep(records: list) -> None:
+            session.run(ops.set_membership_log,
+                        {ops.membership_log_in: json.dumps(records)})
+
         return membership.MembershipWatch(
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
             self.task.cluster, self.config, writer,
             on_unreachable=lambda step, who: ending.on_ps0_silent(
-                self, step, who), chief=self.k)
+                self, step, who), chief=self.k, kept=(kept, keep))
 
     def serve_again(self) -> None:
         """The ps done without answers again: halt at the next step
@@ -282,8 +285,7 @@ class Chief(WorkerRole):
         if not lost and serving.fill_what_was_lost(self.session, ops,
                                                    self.take_back):
             step = int(self.session.run(self.g.handles.global_step))
-            # results.json counts this chief's steps only.
-            self._counted_before = -self.session.run(ops.contributions)
+            self.counted.kept(int(self.session.run(ops.record_from)))
             self._first_round = int(self.session.run(self.g.handles.round))
             self._log_start(step, logdir)
         else:
@@ -322,13 +324,12 @@ class Chief(WorkerRole):
             self._copy_to_mirrors()
             step = int(self.session.run(self.g.handles.global_step))
             logging.info("restored %s (global step %d)", restored, step)
-            self._counted_before = self._counted_at_save.get(
-                step, self._no_counts())
+            self.counted.restored(step)
         else:
             self.session.run(ops.init_op)
             self._copy_to_mirrors()
             step = int(self.session.run(self.g.handles.global_step))
-            self._counted_before = self._no_counts()
+            self.counted.initialized(step)
             logging.info("initialized the parameters (no checkpoint in %s)",
                          logdir)
             self._save(logdir, step)
@@ -338,10 +339,6 @@ class Chief(WorkerRole):
         if self.g.chief.refill:   # copies are not in checkpoints
             self.session.run(self.g.chief.refill.copy_all)
 
-    def _no_counts(self) -> np.ndarray:
-        return np.zeros([self.task.cluster.num_workers, 2], np.int64)
-
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         checkpoints.save(self.g.chief.saver, self.session, logdir, step)
-        self._counted_at_save[step] = self._counted_before + self.session.run(
-            self.g.chief.contributions)
+        self.counted.saved(step, self.session.run(self.g.chief.contributions))

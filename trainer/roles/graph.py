@@ -97,6 +97,9 @@ class ChiefOps:
     contributions: tf.Tensor          # int64 [N, 2]: steps, examples
     by_step: tf.Tensor                # int32 [steps, 1 + N] (state.py)
     record_from: tf.Tensor            # int64 []: by_step's first step
+    membership_log: tf.Tensor         # string []: JSON of every record
+    membership_log_in: tf.Tensor      # string [] placeholder
+    set_membership_log: tf.Operation  # membership_log = membership_log_in
     set_record_from: tf.Operation     # record_from = the global step
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
@@ -149,7 +152,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 chief=k if as_chief else 0)
             lock = chief_lock.ChiefLock(
                 shared.shard_devices[0],
-                takeover.epoch_copy_device(config, num_ps, ps_down))
+                takeover.epoch_copy_device(config, ps_down))
             epoch = lock.loop_epoch
             trainset, start_token, num_steps = _loop_inputs(
                 config, k, num_train_examples)
@@ -214,8 +217,8 @@ def _parameters_and_state(config: TrainConfig, cluster, layout: list,
 def _mirrors(config: TrainConfig, num_ps: int, parts: step_lib.StepParts,
              train_steps: int):
     """--ps_mirrors' copies (trainer/sync/mirrors.py), with an optimizer
-    of their own; None without the flag or with one ps."""
-    if not config.ps_mirrors or num_ps < 2:
+    of their own; None without the flag."""
+    if not config.ps_mirrors:
         return None
     flat = parts.flat
     return mirrors_lib.Mirrors(flat.variables, flat.ps_indices, num_ps,
@@ -266,6 +269,10 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         record_from = shared.record_from.read_value()
         set_record_from = shared.record_from.assign(
             shared.global_step.read_value(), read_value=False)
+        membership_log_in = tf.compat.v1.placeholder(tf.string, [],
+                                                     "membership_log")
+        set_membership_log = shared.membership_log.assign(
+            membership_log_in, read_value=False)
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     transient = state_lib.transient_variables()
@@ -302,6 +309,9 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         take_finished=take_finished, contributions=contributions,
         by_step=by_step, record_from=record_from,
         set_record_from=set_record_from, stop_reason_in=stop_reason_in,
+        membership_log=shared.membership_log.read_value(),
+        membership_log_in=membership_log_in,
+        set_membership_log=set_membership_log,
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=coord.shutdown_ops(
             [i for i in range(num_ps) if i != shared.ps_down_here],

@@ -58,19 +58,22 @@ class MembershipWatch(BackgroundThread):
                  report_lost: Callable[[int], None], cluster,
                  config, writer,
                  on_unreachable: Callable[[int | None, str], None],
-                 chief: int = 0):
+                 chief: int = 0, kept: tuple = ([], None)):
         """read: () -> the fields of _Round (numpy values of the ops in
         ChiefOps). take_records: () -> (step, kind, worker, members)
         arrays. report_lost(worker) sends LOST for it. writer: a
         FileWriter for membership scalars, or None. chief: the chief's
-        worker index (never reported lost)."""
+        worker index (never reported lost). kept: (the records so far,
+        from ps 0; keep(records), which stores them there again), so that
+        they outlive this chief's connection and process."""
         super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
         self._chief, self._refuses = chief, port_refuses(cluster)
-        self.records = []        # {"step", "event", "worker", "workers"}
+        # {"step", "event", "worker", "workers"}, this run's so far
+        self.records, self._keep = list(kept[0]), kept[1]
         self.reasons = {}        # worker -> why we reported it lost
         # worker -> (its last push's round, when that changed, reported)
         self._heard, self._failing_since = {}, None
@@ -100,6 +103,8 @@ class MembershipWatch(BackgroundThread):
         steps, kinds, workers, members = self._take()
         for step, kind, worker, count in zip(steps, kinds, workers, members):
             self._log_change(int(step), int(kind), int(worker), int(count))
+        if len(steps) and self._keep is not None:
+            self._keep(self.records)
 
     def _log_change(self, step, kind, worker, count) -> None:
         event = EVENT_NAMES[kind]

@@ -89,7 +89,7 @@ class Claim:
                  ps_down: int | None = None):
         self._session, self.lock = lock_session(
             target, task, config,
-            epoch_copy_device(config, task.cluster.num_ps, ps_down))
+            epoch_copy_device(config, ps_down))
         self.previous = int(self._session.run(self.lock.recorded)[INDEX])
         self.epoch, self.lost = claim(self._session, self.lock, index,
                                       config.worker_timeout_secs)
@@ -300,12 +300,11 @@ class ChiefWatch(BackgroundThread):
         return False
 
 
-def epoch_copy_device(config, num_ps: int,
-                      ps_down: int | None = None) -> str | None:
+def epoch_copy_device(config, ps_down: int | None = None) -> str | None:
     """Where the chief's epoch has a copy: with --ps_mirrors, where ps 0's
     other state has its copies, unless that ps is down."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
-            and num_ps > 1 and ps_down != mirrors.PS0_COPIES else None)
+            and ps_down != mirrors.PS0_COPIES else None)
 
 
 def port_refuses(cluster) -> Callable[[int], bool]:

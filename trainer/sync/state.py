@@ -162,6 +162,14 @@ class SharedState:
         self.record_from = _transient_zeros("sync/record_from", [], tf.int64)
         self.by_step = _transient_zeros(
             "sync/averaged_by_step", [max(train_steps, 1), 1 + n[0]], tf.int32)
+        # The roster changes from record_from on, as results.json lists
+        # them (JSON, string []): kept here, not in the chief's process,
+        # so that a chief that connects again or takes over has them all.
+        self.membership_log = tf.compat.v1.get_variable(
+            "sync/membership_log", dtype=tf.string,
+            initializer=tf.constant("[]"), trainable=False,
+            use_resource=True,
+            collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, TRANSIENT])
 
     def _timing_variables(self, n: list) -> None:
         """Per worker (on ps 0, the device): its speed, how long its
