@@ -124,6 +124,20 @@ def test_too_few_workers_stop_the_run_then_a_restart_goes_on(
     assert_same_as_reference(tmp_path / "logs", reference)
 
 
+def test_a_failed_run_tells_its_ps_tasks_to_exit(cluster):
+    """The chief gives up waiting for --min_workers (worker 1 never
+    starts): the run has failed, and its ps task exits with status 1
+    rather than serving on until stopped by hand."""
+    c = cluster(2, "--min_workers=2", "--startup_timeout_secs=10")
+    c.start("ps", 0)
+    c.start("worker", 0)
+    assert c.wait("worker0", timeout=90) == 1
+    assert c.wait("ps0", timeout=30) == 1, c.log("ps0")[-2000:]
+    assert re.search(r"only 1 of the --min_workers=2 workers",
+                     c.log("worker0"))
+    assert "the chief stopped the run after an error" in c.log("ps0")
+
+
 # With ordered pulls only with --runslow: CI's time.
 @pytest.mark.parametrize("order", [
     "", pytest.param("--ordered_pulls", marks=pytest.mark.slow)])

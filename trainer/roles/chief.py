@@ -44,6 +44,7 @@ class Chief(WorkerRole):
         self._graph_written = False   # into the summaries, at our start
         self._absorb_call = None      # made once a connect (`_absorb`)
         self.broken_steps = []        # steps not averaging the batch once
+        self.ps_told = False          # to exit (ending.shut_down_ps)
 
     def run_connected(self) -> None:
         ops = self.g.chief
@@ -94,7 +95,7 @@ class Chief(WorkerRole):
                 {self.k: self.pushed, **pushed},
                 watch.records, len(self.broken_steps), record_from,
                 step_breakdown))
-        ending.shut_down_ps(self.session, self.g.chief, self.task.cluster)
+        ending.shut_down_ps(self)
         self.close_session()
 
     def run(self) -> None:
@@ -111,6 +112,9 @@ class Chief(WorkerRole):
                     self.taking_over and self.taking_over.claim,
                     ours=lambda: self.epoch is not None):
                 super().run()
+        except RunFailed as e:
+            ending.end_failed_run(self, str(e))
+            raise
         finally:
             beats.close()
 
@@ -227,8 +231,7 @@ class Chief(WorkerRole):
                 if members < self.config.min_workers else None)
             if reason and start >= 0:
                 self._save_and_stop(logdir, start, reason)
-                ending.shut_down_ps(self.session, self.g.chief,
-                                    self.task.cluster, failed=True)
+                ending.shut_down_ps(self, failed=True)
                 raise RunFailed(
                     f"{reason}; saved a checkpoint at step {start}; start "
                     "every task again with the same flags to continue "

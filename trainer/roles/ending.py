@@ -6,11 +6,16 @@ import time
 from absl import logging
 import tensorflow as tf
 
+from trainer.cluster import devices
 from trainer.common.tf_session import error_summary
+from trainer.roles import serving
+from trainer.roles import takeover
+from trainer.roles.background import close_within
 from trainer.roles.lifecycle import POLL_SECS
 from trainer.sync import coordination
 
 FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
+END_SECS = 5.0             # for each message of the end to reach its task
 
 
 def collect_reports(session, ops, cluster, chief: int) -> dict:
@@ -33,16 +38,53 @@ def collect_reports(session, ops, cluster, chief: int) -> dict:
     return reports
 
 
-def shut_down_ps(session, ops, cluster, failed: bool = False) -> None:
-    """Tells every ps task to exit (with status 1 if the run failed)."""
-    options = tf.compat.v1.RunOptions(timeout_in_ms=5000)
+def shut_down_ps(chief, failed: bool = False, session=None) -> None:
+    """Tells every ps task to exit (with status 1 if the run failed),
+    once: on the chief's session, or `session` on its graph."""
+    ops, cluster = chief.g.chief, chief.task.cluster
+    session = session or chief.session
+    chief.ps_told = True
     for i, op in ops.shutdown_ops:
         try:
             session.run(op, {ops.shutdown_status: int(failed)},
-                        options=options)
+                        options=_bounded())
         except tf.errors.OpError as e:
             logging.warning("could not tell %s to exit: %s",
                             cluster.describe("ps", i), error_summary(e))
+
+
+def end_failed_run(chief, reason: str) -> None:
+    """The chief's run failed with `reason` (it raises it next). Unless a
+    worker that took over does the chief's work now, the run is over:
+    every worker is sent STOP and every ps task told to exit, so that no
+    task of a failed run serves on until stopped by hand. A task out of
+    reach is skipped after END_SECS. The chief's session may be closed
+    by now (the watchdog's give_up), so this runs on one of its own."""
+    if chief.ps_told or chief.g.chief is None:
+        return
+    ops = chief.g.chief
+    session = tf.compat.v1.Session(
+        chief.server.target, graph=chief.g.graph,
+        config=devices.session_config(
+            chief.config, chief.task,
+            serving.ps_tasks(chief.task, chief.g.ps_down)))
+    try:
+        if chief.epoch is not None and takeover.deposed_by(
+                session, chief.g.lock, chief.epoch, _bounded()) is not None:
+            return
+        session.run(ops.stop_op, {ops.stop_reason_in: reason},
+                    options=_bounded())
+    except tf.errors.OpError as e:
+        logging.warning("could not tell the workers the run failed: %s",
+                        error_summary(e))
+    try:
+        shut_down_ps(chief, failed=True, session=session)
+    finally:
+        close_within(session)
+
+
+def _bounded() -> tf.compat.v1.RunOptions:
+    return tf.compat.v1.RunOptions(timeout_in_ms=int(END_SECS * 1000))
 
 
 def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
@@ -84,8 +126,7 @@ def on_ps0_silent(chief, step: int | None, who: str) -> None:
         return
     # Alone, nothing can go on without this chief: even when the stop
     # cannot be sent, the ps tasks must exit.
-    shut_down_ps(chief.session, chief.g.chief, chief.task.cluster,
-                 failed=True)
+    shut_down_ps(chief, failed=True)
     chief.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
                   "stopped; start every task again with the same flags "
                   "to continue from the last checkpoint")

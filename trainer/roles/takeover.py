@@ -139,12 +139,13 @@ def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
     return epoch, lost
 
 
-def deposed_by(session, lock, epoch: int) -> int | None:
+def deposed_by(session, lock, epoch: int, options=None) -> int | None:
     """The worker that claimed the chief's role after `epoch`, or None:
     a chief so deposed applied nothing since (trainer/sync/chief_lock.py).
-    A fresh ps 0 (no record yet) has no other chief."""
+    A fresh ps 0 (no record yet) has no other chief. options: RunOptions
+    of the read, or None."""
     try:
-        recorded = session.run(lock.recorded)
+        recorded = session.run(lock.recorded, options=options)
     except tf.errors.FailedPreconditionError:
         return None
     return None if recorded[EPOCH] == epoch else int(recorded[INDEX])
