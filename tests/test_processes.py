@@ -154,14 +154,14 @@ class _FailedTask:
     """A launcher task that exited with status 1 (tasks.Restarts reads
     its job, index, name and status)."""
 
-    def __init__(self, name, unreachable=False):
-        self.name = name
+    def __init__(self, name, unreachable=False, status=1):
+        self.name, self.status = name, status
         self.job = name.rstrip("0123456789")
         self.index = int(name[len(self.job):])
         self.unreachable = unreachable
 
     def poll(self):
-        return 1
+        return self.status
 
 
 def test_with_mirrors_the_launcher_goes_on_without_a_ps_but_ps_0():
@@ -178,6 +178,22 @@ def test_with_mirrors_the_launcher_goes_on_without_a_ps_but_ps_0():
                            num_workers=2, ps_allowed=1, ps_mirrors=True)
     assert again(_FailedTask("ps1"), []) is True
     assert started == [("ps", 1)]
+
+
+def test_a_worker_that_fails_after_the_runs_end_is_not_started_again():
+    """Once every ps task exited 0 (the chief told them the run is over),
+    a failed worker is left alone: started again, it would wait for ps
+    tasks that are gone. Before that it is started again as usual."""
+    from trainer.cluster import tasks
+    started = []
+    restart = tasks.Restarts(1, lambda job, i: started.append((job, i)),
+                             num_workers=2)
+    running = [_FailedTask("ps0", status=None)]
+    ended = [_FailedTask("ps0", status=1), _FailedTask("ps0", status=0)]
+    assert restart(_FailedTask("worker1"), ended) is True
+    assert started == []
+    assert restart(_FailedTask("worker1"), running) is True
+    assert started == [("worker", 1)]
 
 
 def test_a_worker_whose_host_is_away_is_started_again_without_a_restart():

@@ -50,10 +50,13 @@ flags.DEFINE_integer("worker_restarts", 0,
                      "goes on without it.", lower_bound=0)
 flags.DEFINE_integer("ps_restarts", 0,
                      "How often a ps task that fails is started again at "
-                     "its address: the workers reconnect and the chief "
+                     "its address: the workers reconnect, and the chief "
                      "restores the newest checkpoint (up to "
-                     "--checkpoint_every steps redone); with 0 a failed ps "
-                     "stops the run.", lower_bound=0)
+                     "--checkpoint_every steps redone) or, with "
+                     "--ps_mirrors, refills the ps from its copies "
+                     "(nothing redone); with 0 a failed ps stops the run, "
+                     "but for a ps other than ps 0 with --ps_mirrors.",
+                     lower_bound=0)
 
 flags.DEFINE_string(
     "ssh_hosts", None, "Run the tasks on these machines over ssh instead of "

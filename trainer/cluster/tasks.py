@@ -175,6 +175,12 @@ class Restarts:
         if task.name == CHIEF and (self.num_workers == 1 or task.poll()
                                    == INPUT_ERROR_STATUS):
             return False
+        if _run_over(tasks):
+            # Started again, it would wait --startup_timeout_secs for ps
+            # tasks that are gone, then fail.
+            logging.warning("%s exited with status %d after the run's end;"
+                            " not started again", task.name, task.poll())
+            return True
         if task.unreachable:  # not the worker's failure: try until it's back
             if task.index not in self.away:
                 logging.warning("%s: its host cannot be reached; the run "
@@ -203,6 +209,13 @@ class Restarts:
                         allowed)
         tasks.append(self.start(task.job, task.index))
         return True
+
+
+def _run_over(tasks: list) -> bool:
+    """Whether every ps task's latest process exited 0: the chief told
+    them the run is over (trainer/roles/ending.py)."""
+    latest = {t.index: t for t in tasks if t.job == "ps"}
+    return bool(latest) and all(t.poll() == 0 for t in latest.values())
 
 
 def _stop_chief_first(tasks: list[TaskProcess], name: str) -> None:
