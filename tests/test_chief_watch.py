@@ -9,13 +9,14 @@ import pytest
 import tensorflow as tf
 
 from trainer.roles import takeover
+from trainer.roles import timing
 from trainer.roles.background import ThreadCall
 
 
 def test_a_beat_that_did_not_land_hands_nothing_over(monkeypatch):
     """A takeover's claim beats on until the chief's own beat lands, not
     merely runs: a beat in a deposed epoch lands nothing."""
-    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    monkeypatch.setattr(timing, "BEAT_SECS", 0.02)
     events = []
 
     class Claim:
@@ -127,7 +128,7 @@ def test_a_chief_gone_after_the_last_step_is_not_replaced():
             lambda s=step: ([1, 0, 7], ROSTER, s), judge(1, refused={0}),
             lost.append, 300, seen.append)
         assert watch.run_once() is None   # the beat seen once
-        time.sleep(takeover.REFUSED_AFTER_SECS + 0.1)
+        time.sleep(timing.REFUSED_AFTER_SECS + 0.1)
         assert watch.run_once() is False
         assert (len(lost), seen) == (took_over, ended)
 
@@ -160,7 +161,7 @@ def test_a_claims_beat_stops_only_once_the_chiefs_own_has_landed(
     """A worker taking over beats from its claim until the chief's own
     beat lands: a slow start between the two must not look like silence
     (nemesis seed 622: a second takeover from a chief that was fine)."""
-    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    monkeypatch.setattr(timing, "BEAT_SECS", 0.02)
     events = []
 
     class Claim:
@@ -189,7 +190,7 @@ def test_a_claims_beat_stops_only_once_the_chiefs_own_has_landed(
 def test_no_beat_before_the_role_is_claimed(monkeypatch):
     """Until the chief has claimed its role (ours() is false) it does not
     beat, and a takeover's claim goes on beating for it."""
-    monkeypatch.setattr(takeover, "BEAT_SECS", 0.02)
+    monkeypatch.setattr(timing, "BEAT_SECS", 0.02)
     events, claimed = [], []
 
     class Claim:

@@ -9,6 +9,7 @@ from tests import helpers
 from trainer.cluster.spec import make_cluster, make_task
 from trainer.common.config import TrainConfig
 from trainer.roles import standby
+from trainer.roles import timing
 
 
 def test_graphs_without_a_ps_are_built_beforehand_once_and_kept(
@@ -30,7 +31,7 @@ def test_graphs_without_a_ps_are_built_beforehand_once_and_kept(
             close=lambda: closed.append(ps_down))
         return types.SimpleNamespace(session=session, ps_down=ps_down)
 
-    monkeypatch.setattr(standby, "PREBUILD_AFTER_SECS", 0.0)
+    monkeypatch.setattr(timing, "BUILD_AHEAD_AFTER_SECS", 0.0)
     config = TrainConfig(logdir="unused", ps_mirrors=True)
     graphs = standby.Graphs(task, config, build, warm, ahead=True)
     full = types.SimpleNamespace(ps_down=None)
@@ -61,7 +62,7 @@ def test_a_session_warmed_across_a_connect_is_closed(monkeypatch):
         return types.SimpleNamespace(session=types.SimpleNamespace(
             close=lambda: closed.append(ps_down)))
 
-    monkeypatch.setattr(standby, "PREBUILD_AFTER_SECS", 0.0)
+    monkeypatch.setattr(timing, "BUILD_AHEAD_AFTER_SECS", 0.0)
     graphs = standby.Graphs(
         task, TrainConfig(logdir="unused", ps_mirrors=True),
         lambda ps_down: types.SimpleNamespace(ps_down=ps_down), warm,

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from trainer.roles import membership
+from trainer.roles import timing
 from trainer.roles import watchdog as watchdog_lib
 
 
 @pytest.fixture(autouse=True)
 def fast_checks(monkeypatch):
-    monkeypatch.setattr(watchdog_lib, "CHECK_SECS", 0.05)
-    monkeypatch.setattr(watchdog_lib, "READ_DEADLINE_SECS", 0.1)
+    monkeypatch.setattr(timing, "WATCHDOG_CHECK_SECS", 0.05)
+    monkeypatch.setattr(timing, "READ_DEADLINE_SECS", 0.1)
 
 
 def watch(read, timeout_secs=0.5, wait_secs=3.0):

@@ -169,9 +169,15 @@ flags.DEFINE_float("startup_timeout_secs", 120,
                    "stepped since its claim may be silent this long "
                    "before a worker takes over its work.")
 flags.DEFINE_float("worker_timeout_secs", 120,
-                   "How long the chief waits for a worker's gradient "
-                   "before it counts the worker as gone and hands its "
-                   "examples to the others.")
+                   "The silence after which a task counts as lost. It "
+                   "bounds: the chief's wait for a member's gradient "
+                   "before it hands that worker's examples to the others; "
+                   "the chief's beat, before the next worker in line takes "
+                   "over its work (each further one waits this long "
+                   "again); a claim's wait for the chief's lock; how long "
+                   "the chief waits for ps 0, and a worker's wait before "
+                   "it joins again once ps 0 answers; and gRPC's give-up "
+                   "on a peer that does not acknowledge (keepalive).")
 flags.DEFINE_string("trace_steps", None,
                     "FIRST:END: record global steps [FIRST, END) with "
                     "TensorFlow's full trace on every worker; writes a "

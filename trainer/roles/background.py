@@ -14,7 +14,8 @@ from typing import Callable
 
 import tensorflow as tf
 
-QUICK_CLOSE_SECS = 1.0   # closing a session whose runs failed: clean-up only
+from trainer.roles import timing
+
 
 
 class BackgroundThread(abc.ABC):
@@ -99,7 +100,7 @@ class ThreadCall:
         return self._box["value"]
 
 
-def close_within(session, secs: float = QUICK_CLOSE_SECS) -> bool:
+def close_within(session, secs: float = timing.QUICK_CLOSE_SECS) -> bool:
     """Closes a session on a thread of its own, waiting at most `secs`:
     with a peer cut off or gone, a close can block as long as TCP or gRPC
     retries it. Whether it ended in time (its error, if any, is dropped:

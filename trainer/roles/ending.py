@@ -10,27 +10,25 @@ from trainer.cluster import devices
 from trainer.common.tf_session import error_summary
 from trainer.roles import serving
 from trainer.roles import takeover
+from trainer.roles import timing
 from trainer.roles.background import close_within
-from trainer.roles.lifecycle import POLL_SECS
 from trainer.sync import coordination
 
-FINISH_WAIT_SECS = 15.0    # how long the chief waits for workers' reports
-END_SECS = 5.0             # for each message of the end to reach its task
 
 
 def collect_reports(session, ops, cluster, chief: int) -> dict:
     """worker -> the gradients it says it pushed, reported as the workers
-    finish; waits (at most FINISH_WAIT_SECS) only for those still in the
+    finish; waits (at most timing.FINISH_WAIT_SECS) only for those still in the
     roster. ops: the ChiefOps; chief: our own worker index."""
     roster = session.run(ops.roster)
     expected = {k for k in range(len(roster)) if roster[k] and k != chief}
     reports = {}
-    deadline = time.monotonic() + FINISH_WAIT_SECS
+    deadline = time.monotonic() + timing.FINISH_WAIT_SECS
     while not expected <= reports.keys() and time.monotonic() < deadline:
         workers, steps = session.run(ops.take_finished)
         reports.update(zip(workers.tolist(), steps.tolist()))
         if not expected <= reports.keys():
-            time.sleep(POLL_SECS)
+            time.sleep(timing.POLL_SECS)
     missing = sorted(expected - reports.keys())
     if missing:
         logging.warning("no end-of-training report from %s", ", ".join(
@@ -58,7 +56,7 @@ def end_failed_run(chief, reason: str) -> None:
     worker that took over does the chief's work now, the run is over:
     every worker is sent STOP and every ps task told to exit, so that no
     task of a failed run serves on until stopped by hand. A task out of
-    reach is skipped after END_SECS. The chief's session may be closed
+    reach is skipped after timing.END_SECS. The chief's session may be closed
     by now (the watchdog's give_up), so this runs on one of its own."""
     if chief.ps_told or chief.g.chief is None:
         return
@@ -84,18 +82,18 @@ def end_failed_run(chief, reason: str) -> None:
 
 
 def _bounded() -> tf.compat.v1.RunOptions:
-    return tf.compat.v1.RunOptions(timeout_in_ms=int(END_SECS * 1000))
+    return tf.compat.v1.RunOptions(timeout_in_ms=int(timing.END_SECS * 1000))
 
 
 def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
     """Declared workers that never joined (a short run can end before
-    they are up) get up to FINISH_WAIT_SECS to join, and are then handed
+    they are up) get up to timing.FINISH_WAIT_SECS to join, and are then handed
     the end at once, so that they exit like the others.
 
     absorb: () -> the roster after the queued joins (bool [N]); seen: the
     workers that joined, ourselves and the chief we took over from."""
     never = set(range(cluster.num_workers)) - seen
-    deadline = time.monotonic() + FINISH_WAIT_SECS
+    deadline = time.monotonic() + timing.FINISH_WAIT_SECS
     while never and time.monotonic() < deadline:
         roster = absorb()
         came = {k for k in never if roster[k]}
@@ -103,7 +101,7 @@ def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
             session.run(end_op)
             never -= came
         else:
-            time.sleep(POLL_SECS)
+            time.sleep(timing.POLL_SECS)
     if never:
         logging.warning("never joined: %s", ", ".join(
             cluster.describe("worker", k) for k in never))

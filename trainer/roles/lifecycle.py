@@ -21,7 +21,8 @@ from trainer.observe import tracing
 from trainer.roles import serving
 from trainer.roles import standby
 from trainer.roles import takeover
-from trainer.roles.background import QUICK_CLOSE_SECS, close_within
+from trainer.roles import timing
+from trainer.roles.background import close_within
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
@@ -33,9 +34,6 @@ from trainer.common.tf_session import error_summary, make_callable
 class RunEnded(Exception):
     """The run ended (args[0]: its last step) while this worker was away."""
 
-POLL_SECS = 0.25           # how often to look for a ps or the chief
-CLOSE_DEADLINE_SECS = 15.0  # giving up: the most ending a blocked run may take
-PROGRESS_LOG_SECS = 5.0    # how often to say we are still waiting
 
 # Errors a task sees when a ps task died or restarted (connection refused,
 # session or graph handle gone, variables gone or not yet initialized).
@@ -196,13 +194,13 @@ class WorkerRole(abc.ABC):
                 serving.changed(error)):
             logging.warning("%s; connecting again",
                             again or error_summary(error))
-            self.close_session(QUICK_CLOSE_SECS)
+            self.close_session(timing.QUICK_CLOSE_SECS)
             return
         if not isinstance(error, PS_LOST):
             raise error
         # The run failed: nothing of it is left to cancel, and the close's
         # clean-up may wait on a ps that is gone.
-        self.close_session(QUICK_CLOSE_SECS)
+        self.close_session(timing.QUICK_CLOSE_SECS)
         first_line = error_summary(error)
         if time.monotonic() - self.last_progress > (
                 self.config.startup_timeout_secs):
@@ -213,7 +211,7 @@ class WorkerRole(abc.ABC):
                 ) from None
         logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
-    def close_session(self, deadline: float = CLOSE_DEADLINE_SECS) -> None:
+    def close_session(self, deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
         """Closes the session, waiting at most `deadline` (close_within);
         past it, this worker goes on without that session."""
         with self._lock:
@@ -299,9 +297,9 @@ class WorkerRole(abc.ABC):
 
     @staticmethod
     def _exit_if_still_running(reason: str) -> None:
-        time.sleep(CLOSE_DEADLINE_SECS)
+        time.sleep(timing.CLOSE_DEADLINE_SECS)
         logging.error("%s; the blocked session did not end within %.0f s; "
-                      "exiting", reason, CLOSE_DEADLINE_SECS)
+                      "exiting", reason, timing.CLOSE_DEADLINE_SECS)
         logging.flush()
         os._exit(1)
 
@@ -313,19 +311,19 @@ def token_of(step: int) -> np.ndarray:
 
 
 def poll_until(ready, timeout: float, waiting, failure) -> None:
-    """Calls ready() every POLL_SECS until it returns true. Every
-    PROGRESS_LOG_SECS logs waiting(seconds so far) (a line); after
+    """Calls ready() every timing.POLL_SECS until it returns true. Every
+    timing.PROGRESS_LOG_SECS logs waiting(seconds so far) (a line); after
     `timeout` seconds raises RunFailed(failure())."""
     start = time.monotonic()
-    next_log = start + PROGRESS_LOG_SECS
+    next_log = start + timing.PROGRESS_LOG_SECS
     while not ready():
         now = time.monotonic()
         if now - start > timeout:
             raise RunFailed(failure())
         if now >= next_log:
             logging.info("%s", waiting(now - start))
-            next_log = now + PROGRESS_LOG_SECS
-        time.sleep(POLL_SECS)
+            next_log = now + timing.PROGRESS_LOG_SECS
+        time.sleep(timing.POLL_SECS)
 
 
 def wait_for_ps(task: Task, timeout: float,

@@ -2,7 +2,7 @@
 
 The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
-loop. This thread reads the round every CHECK_SECS (the same session,
+loop. This thread reads the round every timing.MEMBERSHIP_CHECK_SECS (the same session,
 concurrently) and reports a worker with a slice outstanding (`late`)
 lost, with a LOST event (the rule, trainer/sync/averaging.py, then plans
 the step again without it), once it has pushed nothing:
@@ -31,12 +31,10 @@ import numpy as np
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
 from trainer.roles.takeover import port_refuses
-from trainer.roles.watchdog import READ_DEADLINE_SECS, BoundedRead
+from trainer.roles import timing
+from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
-CHECK_SECS = 0.5
-PROBE_AFTER_SECS = 1.0   # a member this late gets its port probed
-STALL_SECS = 3.0         # a longer gap between checks: we did not run
 
 
 @dataclasses.dataclass
@@ -66,7 +64,7 @@ class MembershipWatch(BackgroundThread):
         worker index (never reported lost). kept: (the records so far,
         from ps 0; keep(records), which stores them there again), so that
         they outlive this chief's connection and process."""
-        super().__init__("membership", CHECK_SECS, CHECK_SECS * 8)
+        super().__init__("membership", timing.MEMBERSHIP_CHECK_SECS, timing.MEMBERSHIP_CHECK_SECS * 8)
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
@@ -93,7 +91,7 @@ class MembershipWatch(BackgroundThread):
         except TimeoutError:
             logging.warning("the last round's slices are not in TensorBoard:"
                             " ps 0 did not answer within %.0f s",
-                            READ_DEADLINE_SECS)
+                            timing.READ_DEADLINE_SECS)
             return
         if state.step != self._logged_step:
             self._note_slices(state, always=True)
@@ -122,7 +120,7 @@ class MembershipWatch(BackgroundThread):
     def run_once(self) -> bool | None:
         """One check of the round; False once ps 0 was given up on."""
         now = time.monotonic()
-        if now - self._last > STALL_SECS:
+        if now - self._last > timing.STALL_SECS:
             # This process did not run (stopped, swapped out): the time
             # lost is not the workers' silence.
             self._heard, self._failing_since = {}, None
@@ -156,7 +154,7 @@ class MembershipWatch(BackgroundThread):
         if silent >= timeout:
             self.reasons[k] = (f" (no gradient for step {state.step} in "
                                f"{timeout:.0f} s, --worker_timeout_secs)")
-        elif silent >= PROBE_AFTER_SECS and self._refuses(k):
+        elif silent >= timing.PORT_CHECK_AFTER_SECS and self._refuses(k):
             self.reasons[k] = " (its port refuses connections)"
         else:
             return

@@ -11,8 +11,8 @@ from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
 from trainer.sync import coordination
+from trainer.roles import timing
 
-POLL_SECS = 0.25  # how often the ps looks for the chief's end message
 
 
 def serve(config: TrainConfig, task: Task, server) -> None:
@@ -33,7 +33,7 @@ def serve(config: TrainConfig, task: Task, server) -> None:
                               ) as session:
         logging.info("%s serving", task.describe())
         while not session.run(queued):
-            time.sleep(POLL_SECS)
+            time.sleep(timing.POLL_SECS)
         status = session.run(take)
     if status:
         raise RunFailed("the chief stopped the run after an error; see its "

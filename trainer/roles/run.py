@@ -17,6 +17,7 @@ from trainer.roles import lifecycle
 from trainer.roles import standby
 from trainer.roles import takeover
 from trainer.roles import graph as worker_graph
+from trainer.roles import timing
 from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
@@ -92,7 +93,7 @@ class SpareChief:
     comes out of the worker's own steps. So only the worker first in line
     to take over (takeover.Judge's order: the lowest index in the roster
     but the chief's) builds ahead, and only once it has been in the run
-    for SPARE_AFTER_SECS; another worker builds when it claims the role
+    for timing.BUILD_AHEAD_AFTER_SECS; another worker builds when it claims the role
     (`result`), or when it comes first in line. result() is a tuple
     (Mnist with the test set, WorkerGraph, standby.Warmed or None)."""
 
@@ -111,7 +112,7 @@ class SpareChief:
     def _build(self) -> tuple:
         config, worker = self._config, self._worker
         joined = worker.in_the_run.wait(config.startup_timeout_secs)
-        while joined and not self._now.wait(SPARE_AFTER_SECS):
+        while joined and not self._now.wait(timing.BUILD_AHEAD_AFTER_SECS):
             if _first_in_line(worker):
                 break
         test = data_lib.load(self._data_dir, config.download,
@@ -160,13 +161,11 @@ def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
 
 
 _running = []            # the worker role of this process, once built
-LEAVE_DEADLINE_SECS = 1.5
-SPARE_AFTER_SECS = 30.0  # in the run this long: the first in line builds
 
 
 def terminate() -> float:
     """On SIGTERM (from the main thread): a worker tells the chief it
-    leaves (at most LEAVE_DEADLINE_SECS); the chief ends training at the
+    leaves (at most timing.LEAVE_DEADLINE_SECS); the chief ends training at the
     next step boundary, saves a checkpoint and stops every task. Returns
     how long the caller should let the training thread finish: 0 to exit
     at once."""
@@ -178,7 +177,7 @@ def terminate() -> float:
             "the chief was sent SIGTERM",), daemon=True).start()
         return processes.CHIEF_STOP_SECS
     ThreadCall(lambda: _quietly(role.leave), "leave").done(
-        LEAVE_DEADLINE_SECS)
+        timing.LEAVE_DEADLINE_SECS)
     logging.info("told the chief that this worker leaves")
     return 0.0
 

@@ -29,10 +29,10 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
+from trainer.roles import timing
 from trainer.roles.background import BackgroundThread, OwnSession
 from trainer.sync import state as state_lib
 
-PROBE_SECS = 1.0   # how often the chief looks at a ps that is down
 READ_MS = 5000     # the most a read of ps 0 waits
 
 
@@ -41,7 +41,7 @@ class ServeAgain(Exception):
 
 
 def port_open(task, ps: int) -> bool:
-    return ports.answer(task.cluster.ps[ps], PROBE_SECS,
+    return ports.answer(task.cluster.ps[ps], timing.PS_PORT_CHECK_SECS,
                        "--ps_hosts") == ports.OPEN
 
 
@@ -137,7 +137,7 @@ class PsWatch(BackgroundThread):
     calls back() once it answers. Once either is called, it stops."""
 
     def __init__(self, task, ps_down: int | None, down, back):
-        super().__init__("ps-watch", PROBE_SECS, PROBE_SECS * 4)
+        super().__init__("ps-watch", timing.PS_PORT_CHECK_SECS, timing.PS_PORT_CHECK_SECS * 4)
         self._task, self._ps_down = task, ps_down
         self._down, self._back = down, back
         self._refused = set()   # refused at the last look
@@ -149,7 +149,7 @@ class PsWatch(BackgroundThread):
                 return False
             return True
         refused = {i for i in range(1, self._task.cluster.num_ps)
-                   if ports.answer(self._task.cluster.ps[i], PROBE_SECS,
+                   if ports.answer(self._task.cluster.ps[i], timing.PS_PORT_CHECK_SECS,
                                    "--ps_hosts") == ports.REFUSED}
         twice, self._refused = refused & self._refused, refused
         if twice:

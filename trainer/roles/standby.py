@@ -17,11 +17,11 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.common.tf_session import error_summary, make_callable
+from trainer.roles import timing
 from trainer.roles.background import ThreadCall, close_within
 from trainer.roles.serving import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
 
-PREBUILD_AFTER_SECS = 30.0   # in the run this long: build other graphs
 
 
 class Graphs:
@@ -66,7 +66,7 @@ class Graphs:
         return down, (before if before not in (None, down) else None)
 
     def prebuild(self, current) -> ThreadCall | None:
-        """With --ps_mirrors, PREBUILD_AFTER_SECS later on a thread (which
+        """With --ps_mirrors, timing.BUILD_AHEAD_AFTER_SECS later on a thread (which
         it returns): builds a graph without each ps but ps 0, and one with
         every ps (those not built yet), and, serving with every ps, warms
         those without one. Call it at each connect, once in the run."""
@@ -82,7 +82,7 @@ class Graphs:
             # Not at once: the task's own start (its loop placed, its
             # callables made) holds the interpreter long on a starved
             # host, and a build beside it would delay the chief's beat.
-            time.sleep(PREBUILD_AFTER_SECS)
+            time.sleep(timing.BUILD_AHEAD_AFTER_SECS)
             for d in wanted:
                 graph = self._graph(d)
                 if self._ahead and d is not None and (

@@ -1,7 +1,7 @@
 """The chief's work moves: claiming the chief's role, the chief's beat, and
 the watch by which the other workers find a lost chief.
 
-The chief's process beats: every BEAT_SECS it adds one to the beats of
+The chief's process beats: every timing.BEAT_SECS it adds one to the beats of
 its record on ps 0 (`sync/chief`: epoch, worker index, beats; see
 trainer/sync/chief_lock.py). Every other worker watches that record
 beside its training runs, and calls the chief lost once the beats stop:
@@ -31,13 +31,12 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
+from trainer.roles import timing
 from trainer.roles.background import (BackgroundThread, OwnSession,
                                       close_within)
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
 
-BEAT_SECS = 0.5
-REFUSED_AFTER_SECS = 1.0   # silent this long and refusing: gone
 
 
 class TakeOver(Exception):
@@ -152,7 +151,7 @@ def deposed_by(session, lock, epoch: int, options=None) -> int | None:
 
 
 class ChiefBeat(BackgroundThread):
-    """The chief's beat: beat() every BEAT_SECS while the chief runs;
+    """The chief's beat: beat() every timing.BEAT_SECS while the chief runs;
     beat() returns False when it did not land (a deposed chief's).
 
     claim: the Claim of a worker taking over, or None. Its beat stops
@@ -166,7 +165,7 @@ class ChiefBeat(BackgroundThread):
                  ours: Callable[[], bool] = lambda: True):
         """ours() says whether the chief's role is claimed yet: until it
         is, nothing beats but the takeover's claim."""
-        super().__init__("chief-beat", BEAT_SECS, BEAT_SECS * 4)
+        super().__init__("chief-beat", timing.BEAT_SECS, timing.BEAT_SECS * 4)
         self._beat, self._claim, self._ours = beat, claim, ours
 
     def run_once(self) -> None:
@@ -229,7 +228,7 @@ class Judge:
         if self._lost_at is None:
             if silent >= limit:
                 self._why = f"no beat for {limit:.0f} s, {flag}"
-            elif silent >= REFUSED_AFTER_SECS and self.refuses(chief):
+            elif silent >= timing.REFUSED_AFTER_SECS and self.refuses(chief):
                 self._why = "its port refuses connections"
             else:
                 return None
@@ -273,7 +272,7 @@ class ChiefWatch(BackgroundThread):
         """read: () -> (record int64 [3], roster bool [N], global step
         int64 []) from ps 0; on_ended(step): the chief is gone after the
         last step, so there is no work to take over."""
-        super().__init__("chief-watch", BEAT_SECS, BEAT_SECS * 4)
+        super().__init__("chief-watch", timing.BEAT_SECS, timing.BEAT_SECS * 4)
         self._read, self._judge, self._on_lost = read, judge, on_lost
         self._train_steps, self._on_ended = train_steps, on_ended
 
@@ -316,7 +315,7 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 
 def acting_chief(target: str, task, config) -> int | None:
     """The worker that does the chief's work now, if its beat goes on
-    (read twice, BEAT_SECS x 6 apart); None if none does, or ps 0 does
+    (read twice, timing.BEAT_SECS x 6 apart); None if none does, or ps 0 does
     not answer (a first start: then there is none). Call it once ps 0
     accepts connections: a chief started again while its own link is
     still down must not take the role back from a worker that took it
@@ -328,7 +327,7 @@ def acting_chief(target: str, task, config) -> int | None:
             if not session.run(lock.is_recorded, options=options):
                 return None
             first = session.run(lock.recorded, options=options)
-            time.sleep(BEAT_SECS * 6)
+            time.sleep(timing.BEAT_SECS * 6)
             then = session.run(lock.recorded, options=options)
     except tf.errors.OpError:
         return None

@@ -7,7 +7,7 @@ step every few seconds (the same session, concurrently), warns while the
 step stands still, naming the workers whose gradients have not arrived,
 and calls `on_timeout` once it has stood still for `timeout_secs`.
 
-A read that fails or takes longer than READ_DEADLINE_SECS counts as a
+A read that fails or takes longer than timing.READ_DEADLINE_SECS counts as a
 step that did not move: when ps 0 is cut off, the blocked training run may
 never fail by itself (TCP keeps retrying a silent peer), and the watchdog
 is then the only thing that ends it. The deadline is kept in Python: a
@@ -21,16 +21,14 @@ from typing import Callable
 
 from absl import logging
 
+from trainer.roles import timing
 from trainer.roles.background import BackgroundThread, ThreadCall
 
-CHECK_SECS = 2.0
-WARN_EVERY_SECS = 10.0
-READ_DEADLINE_SECS = 5.0
 
 
 class BoundedRead:
     """Calls read() on a helper thread and waits for it at most
-    READ_DEADLINE_SECS (else raises TimeoutError). While an earlier call is
+    timing.READ_DEADLINE_SECS (else raises TimeoutError). While an earlier call is
     still blocked, no new one starts: waiting on it again counts as another
     failed read."""
 
@@ -40,7 +38,7 @@ class BoundedRead:
     def __call__(self):
         if self._call is None or self._call.done(0):
             self._call = ThreadCall(self._read, "watchdog-read")
-        return self._call.result(READ_DEADLINE_SECS)
+        return self._call.result(timing.READ_DEADLINE_SECS)
 
 
 class Watchdog(BackgroundThread):
@@ -63,7 +61,7 @@ class Watchdog(BackgroundThread):
         thread, when ps 0 answers again after at least return_after_secs
         without (a worker whose link came back joins again:
         trainer/roles/lifecycle.py)."""
-        super().__init__("watchdog", CHECK_SECS, CHECK_SECS * 3)
+        super().__init__("watchdog", timing.WATCHDOG_CHECK_SECS, timing.WATCHDOG_CHECK_SECS * 3)
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable
@@ -108,7 +106,7 @@ class Watchdog(BackgroundThread):
         self._failing_since = None
         if step != self._last_step:
             self._last_step, self._since = step, now
-            self._next_warning = now + WARN_EVERY_SECS
+            self._next_warning = now + timing.WARN_EVERY_SECS
             return None
         stalled = now - self._since
         if stalled >= self._timeout:
@@ -120,5 +118,5 @@ class Watchdog(BackgroundThread):
                 "%s (giving up after %.0f s, %s)",
                 step, stalled, self._describe(admitted),
                 self._timeout, self._flag)
-            self._next_warning = now + WARN_EVERY_SECS
+            self._next_warning = now + timing.WARN_EVERY_SECS
         return None

@@ -14,10 +14,10 @@ from trainer.observe import tracing
 from trainer.roles import takeover
 from trainer.roles import watchdog as watchdog_lib
 from trainer.saving import storage
-from trainer.roles.lifecycle import POLL_SECS, WorkerRole, poll_until
+from trainer.roles import timing
+from trainer.roles.lifecycle import WorkerRole, poll_until
 from trainer.sync import state
 
-JOIN_AGAIN_SECS = 5.0
 
 
 class Worker(WorkerRole):
@@ -110,7 +110,7 @@ class Worker(WorkerRole):
 
     def _join(self, dog):
         """Asks the chief in and waits for the first token (int64 [4]),
-        asking again every JOIN_AGAIN_SECS while the roster does not hold
+        asking again every timing.JOIN_AGAIN_SECS while the roster does not hold
         us (a LOST report about our previous self may have overtaken the
         request), up to --startup_timeout_secs."""
         h = self.g.handles
@@ -125,11 +125,11 @@ class Worker(WorkerRole):
                         "the chief did not take this worker in within "
                         f"{self.config.startup_timeout_secs:.0f} s "
                         "(--startup_timeout_secs)")
-                if now - asked > JOIN_AGAIN_SECS and not self.session.run(
+                if now - asked > timing.JOIN_AGAIN_SECS and not self.session.run(
                         h.roster)[self.k]:
                     self.session.run(h.join_op)
                     asked = now
-                time.sleep(POLL_SECS / 5)
+                time.sleep(timing.POLL_SECS / 5)
             token = self.session.run(h.next_token)
         logging.info("worker %d joined at global step %d", self.k,
                      max(int(token[0]), 0))
