@@ -29,7 +29,7 @@ from trainer.cluster import ssh as ssh_lib
 from trainer.cluster import ssh_launcher
 from trainer.common import console as console_lib
 from trainer.observe import status_line
-from trainer.common.config import validate
+from trainer.common.config import check_ps_mirrors
 from trainer.common.errors import UserError
 
 trainer_flags.define_local_cluster_flags()
@@ -107,8 +107,7 @@ def main(argv) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:  # the tasks check again; one line here rather than one per task
-        validate(trainer_flags.config_from_flags(), FLAGS.num_workers,
-                 FLAGS.num_ps)
+        check_ps_mirrors(FLAGS.ps_mirrors, FLAGS.num_ps)
     except UserError as e:
         logging.error("%s", e)
         return trainer_flags.INPUT_ERROR_STATUS

@@ -27,6 +27,7 @@ from trainer.bench.nemesis import runner
 from trainer.bench import report
 from trainer.bench.nemesis import schedule as schedule_lib
 from trainer.common import processes
+from trainer.common.config import check_ps_mirrors
 from trainer.common.errors import UserError
 
 flags.DEFINE_integer("schedules", 3, "How many schedules to run.",
@@ -149,8 +150,9 @@ def out_when(outcome: run_lib.Outcome) -> str:
 
 
 def check_flags(kinds) -> None:
-    """Raises UserError naming a bad --kinds or --schedule."""
+    """Raises UserError naming a bad --kinds, --schedule or --ps."""
     chosen = list(kinds)
+    check_ps_mirrors(schedule_lib.ps_mirrored(FLAGS.train_flags), FLAGS.ps)
     if FLAGS.schedule:
         try:
             faults = schedule_lib.parse(

@@ -212,10 +212,12 @@ class Restarts:
 
 
 def _run_over(tasks: list) -> bool:
-    """Whether every ps task's latest process exited 0: the chief told
-    them the run is over (trainer/roles/ending.py)."""
+    """Whether ps 0's latest process exited 0 (the chief told it the run
+    is over: trainer/roles/ending.py) and no ps task still runs (with
+    --ps_mirrors, one lost for good may have failed)."""
     latest = {t.index: t for t in tasks if t.job == "ps"}
-    return bool(latest) and all(t.poll() == 0 for t in latest.values())
+    return (0 in latest and latest[0].poll() == 0
+            and all(t.poll() is not None for t in latest.values()))
 
 
 def _stop_chief_first(tasks: list[TaskProcess], name: str) -> None:

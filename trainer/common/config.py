@@ -195,6 +195,14 @@ def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
             f"{num_workers} workers; lower --micro_batch")
 
 
+def check_ps_mirrors(ps_mirrors: bool, num_ps: int) -> None:
+    """Raises UserError if --ps_mirrors is given with one ps task."""
+    if ps_mirrors and num_ps < 2:
+        raise UserError("--ps_mirrors keeps each ps's shards on the next ps"
+                        f" and needs 2 ps tasks or more, not {num_ps}; add "
+                        "a ps task or drop --ps_mirrors")
+
+
 def validate(config: TrainConfig, num_workers: int,
              num_ps: int | None = None) -> None:
     """Raises UserError naming the first bad setting and how to fix it
@@ -203,10 +211,8 @@ def validate(config: TrainConfig, num_workers: int,
     read, by TrainConfig.resolved_train_steps.)"""
     if config.chunk_kb:
         raise UserError(CHUNK_KB_RETIRED)
-    if config.ps_mirrors and num_ps is not None and num_ps < 2:
-        raise UserError("--ps_mirrors keeps each ps's shards on the next ps"
-                        f" and needs 2 ps tasks or more, not {num_ps}; add "
-                        "a ps task or drop --ps_mirrors")
+    if num_ps is not None:
+        check_ps_mirrors(config.ps_mirrors, num_ps)
     if config.model not in MODELS:
         raise UserError(f"--model={config.model} is unknown; choose one of "
                         f"{', '.join(MODELS)}")

@@ -86,9 +86,11 @@ class Counted:
         self._at_save = {}     # step -> the counts at our checkpoint there
         self.before = None     # added to ps 0's counts
         self.since = None      # the first step counted
+        self._ps0_from = None  # where ps 0's counts began, as last seen
 
     def initialized(self, step: int) -> None:
         self.before, self.since = self._zeros, step
+        self._ps0_from = step
 
     def restored(self, step: int) -> None:
         """ps 0's counts start again at `step`: ours carry over a restore
@@ -96,12 +98,16 @@ class Counted:
         self.before = self._at_save.get(step, self._zeros)
         if step not in self._at_save:
             self.since = step
+        self._ps0_from = step
 
     def kept(self, record_from: int) -> None:
         """Going on from the state on the ps tasks: ps 0's counts hold
-        every step since record_from, our predecessors' too."""
-        if self.before is None:
+        every step since record_from, our predecessors' too. If they
+        began again since we last looked (ps 0 refilled from its copies),
+        ours are lost with them, and the counts start there."""
+        if self.before is None or record_from != self._ps0_from:
             self.before, self.since = self._zeros, record_from
+        self._ps0_from = record_from
 
     def saved(self, step: int, on_ps0: np.ndarray) -> None:
         self._at_save[step] = self.total(on_ps0)

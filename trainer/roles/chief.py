@@ -44,7 +44,6 @@ class Chief(WorkerRole):
         self._graph_written = False   # into the summaries, at our start
         self._absorb_call = None      # made once a connect (`_absorb`)
         self.broken_steps = []        # steps not averaging the batch once
-        self.ps_told = False          # to exit (ending.shut_down_ps)
 
     def run_connected(self) -> None:
         ops = self.g.chief
@@ -55,7 +54,11 @@ class Chief(WorkerRole):
         self.graphs.prebuild(self.g)
         with self._membership_watch(writer) as watch, \
                 self._round_deadlines(), serving.chief_watch(self):
-            self._wait_for_workers(self.config.min_workers)
+            try:
+                self._wait_for_workers(self.config.min_workers)
+            except RunFailed as e:
+                ending.end_failed_run(self, str(e))
+                raise
             outcome = progress.drive(
                 self._step_runner(logdir),
                 self.callable(ops.eval_outputs),
@@ -112,9 +115,6 @@ class Chief(WorkerRole):
                     self.taking_over and self.taking_over.claim,
                     ours=lambda: self.epoch is not None):
                 super().run()
-        except RunFailed as e:
-            ending.end_failed_run(self, str(e))
-            raise
         finally:
             beats.close()
 
@@ -143,11 +143,11 @@ class Chief(WorkerRole):
             "roster": ops.roster, "slices": ops.slices,
             "last_push": ops.last_push, "issued_round": ops.issued_round})
         session = self.session
-        kept = json.loads(session.run(ops.membership_log).decode() or "[]")
+        log = ops.membership_log
+        kept = json.loads(session.run(log.read).decode() or "[]")
 
         def keep(records: list) -> None:
-            session.run(ops.set_membership_log,
-                        {ops.membership_log_in: json.dumps(records)})
+            session.run(log.write, {log.value_in: json.dumps(records)})
 
         return membership.MembershipWatch(
             read, lambda: session.run(ops.membership),

@@ -6,12 +6,9 @@ import time
 from absl import logging
 import tensorflow as tf
 
-from trainer.cluster import devices
 from trainer.common.tf_session import error_summary
-from trainer.roles import serving
 from trainer.roles import takeover
 from trainer.roles import timing
-from trainer.roles.background import close_within
 from trainer.sync import coordination
 
 
@@ -36,59 +33,52 @@ def collect_reports(session, ops, cluster, chief: int) -> dict:
     return reports
 
 
-def shut_down_ps(chief, failed: bool = False, session=None) -> None:
-    """Tells every ps task to exit (with status 1 if the run failed),
-    once: on the chief's session, or `session` on its graph."""
+def shut_down_ps(chief, failed: bool = False) -> None:
+    """Tells every ps task to exit (with status 1 if the run failed)."""
     ops, cluster = chief.g.chief, chief.task.cluster
-    session = session or chief.session
-    chief.ps_told = True
     for i, op in ops.shutdown_ops:
         try:
-            session.run(op, {ops.shutdown_status: int(failed)},
-                        options=_bounded())
+            chief.session.run(op, {ops.shutdown_status: int(failed)},
+                              options=_bounded())
         except tf.errors.OpError as e:
             logging.warning("could not tell %s to exit: %s",
                             cluster.describe("ps", i), error_summary(e))
 
 
 def end_failed_run(chief, reason: str) -> None:
-    """The chief's run failed with `reason` (it raises it next). Unless a
-    worker that took over does the chief's work now, the run is over:
-    every worker is sent STOP and every ps task told to exit, so that no
-    task of a failed run serves on until stopped by hand. A task out of
-    reach is skipped after timing.END_SECS. The chief's session may be closed
-    by now (the watchdog's give_up), so this runs on one of its own."""
-    if chief.ps_told or chief.g.chief is None:
-        return
+    """The run failed with `reason` where the chief decides it cannot go
+    on (the chief raises it next): fewer than --min_workers joined. The
+    chief is connected and beating, so every ps answers; still, a chief
+    deposed meanwhile must not end its successor's run, so it sends STOP
+    to the workers and tells every ps task to exit only once ps 0 says
+    the lock still holds its epoch. Each message is bounded by
+    timing.END_SECS. Failures where the ps tasks do not answer cannot
+    tell them anything; a worker that takes over may still save such a
+    run."""
     ops = chief.g.chief
-    session = tf.compat.v1.Session(
-        chief.server.target, graph=chief.g.graph,
-        config=devices.session_config(
-            chief.config, chief.task,
-            serving.ps_tasks(chief.task, chief.g.ps_down)))
     try:
-        if chief.epoch is not None and takeover.deposed_by(
-                session, chief.g.lock, chief.epoch, _bounded()) is not None:
+        if takeover.deposed_by(chief.session, chief.g.lock, chief.epoch,
+                               _bounded()) is not None:
             return
-        session.run(ops.stop_op, {ops.stop_reason_in: reason},
-                    options=_bounded())
+        chief.session.run(ops.stop_op, {ops.stop_reason_in: reason},
+                          options=_bounded())
     except tf.errors.OpError as e:
-        logging.warning("could not tell the workers the run failed: %s",
+        logging.warning("could not tell the workers that the run failed "
+                        "(%s); the ps tasks are left serving",
                         error_summary(e))
-    try:
-        shut_down_ps(chief, failed=True, session=session)
-    finally:
-        close_within(session)
+        return
+    shut_down_ps(chief, failed=True)
 
 
 def _bounded() -> tf.compat.v1.RunOptions:
-    return tf.compat.v1.RunOptions(timeout_in_ms=int(timing.END_SECS * 1000))
+    return tf.compat.v1.RunOptions(
+        timeout_in_ms=int(timing.END_SECS * 1000))
 
 
 def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
     """Declared workers that never joined (a short run can end before
-    they are up) get up to timing.FINISH_WAIT_SECS to join, and are then handed
-    the end at once, so that they exit like the others.
+    they are up) get up to timing.FINISH_WAIT_SECS to join, and are then
+    handed the end at once, so that they exit like the others.
 
     absorb: () -> the roster after the queued joins (bool [N]); seen: the
     workers that joined, ourselves and the chief we took over from."""

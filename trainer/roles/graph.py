@@ -97,9 +97,7 @@ class ChiefOps:
     contributions: tf.Tensor          # int64 [N, 2]: steps, examples
     by_step: tf.Tensor                # int32 [steps, 1 + N] (state.py)
     record_from: tf.Tensor            # int64 []: by_step's first step
-    membership_log: tf.Tensor         # string []: JSON of every record
-    membership_log_in: tf.Tensor      # string [] placeholder
-    set_membership_log: tf.Operation  # membership_log = membership_log_in
+    membership_log: "MembershipLog"   # the records kept on ps 0
     set_record_from: tf.Operation     # record_from = the global step
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
@@ -249,6 +247,23 @@ def _worker_handles(shared: state_lib.SharedState,
             finish_op=coord.report_finished(k, pushed_in))
 
 
+@dataclasses.dataclass
+class MembershipLog:
+    """sync/membership_log on ps 0: read, and write(value_in)."""
+
+    read: tf.Tensor            # string []: JSON of every record
+    value_in: tf.Tensor        # feed string []
+    write: tf.Operation        # the log = value_in
+
+
+def _membership_log(shared: state_lib.SharedState) -> MembershipLog:
+    with tf.device(shared.shard_devices[0]):
+        value_in = tf.compat.v1.placeholder(tf.string, [], "membership_log")
+        return MembershipLog(
+            shared.membership_log.read_value(), value_in,
+            shared.membership_log.assign(value_in, read_value=False))
+
+
 def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
                optimizer, num_test_examples: int, mirrors) -> ChiefOps:
     init_op = tf.compat.v1.global_variables_initializer()
@@ -269,10 +284,6 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         record_from = shared.record_from.read_value()
         set_record_from = shared.record_from.assign(
             shared.global_step.read_value(), read_value=False)
-        membership_log_in = tf.compat.v1.placeholder(tf.string, [],
-                                                     "membership_log")
-        set_membership_log = shared.membership_log.assign(
-            membership_log_in, read_value=False)
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     transient = state_lib.transient_variables()
@@ -309,9 +320,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         take_finished=take_finished, contributions=contributions,
         by_step=by_step, record_from=record_from,
         set_record_from=set_record_from, stop_reason_in=stop_reason_in,
-        membership_log=shared.membership_log.read_value(),
-        membership_log_in=membership_log_in,
-        set_membership_log=set_membership_log,
+        membership_log=_membership_log(shared),
         stop_op=stop_op, shutdown_status=shutdown_status,
         shutdown_ops=coord.shutdown_ops(
             [i for i in range(num_ps) if i != shared.ps_down_here],

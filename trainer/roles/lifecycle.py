@@ -211,7 +211,8 @@ class WorkerRole(abc.ABC):
                 ) from None
         logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
-    def close_session(self, deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
+    def close_session(self,
+                      deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
         """Closes the session, waiting at most `deadline` (close_within);
         past it, this worker goes on without that session."""
         with self._lock:

@@ -2,21 +2,18 @@
 
 The training loop runs inside the graph, so while the chief's session.run
 blocks, a member that died leaves its round waiting in the admission
-loop. This thread reads the round every timing.MEMBERSHIP_CHECK_SECS (the same session,
-concurrently) and reports a worker with a slice outstanding (`late`)
-lost, with a LOST event (the rule, trainer/sync/averaging.py, then plans
-the step again without it), once it has pushed nothing:
-
-- for a second, if its port refuses connections (the process is gone);
-- for --worker_timeout_secs otherwise (a host cut off or frozen does not
-  refuse: only the timeout tells).
+loop. This thread reads the round every timing.MEMBERSHIP_CHECK_SECS
+(the same session, concurrently) and reports a worker with a slice
+outstanding (`late`) lost, with a LOST event (the rule,
+trainer/sync/averaging.py, then plans the step again without it), once
+the silence rule (liveness.lost) says so of its pushes.
 
 Silence is counted per worker, from its last push of any round, so a
 dead backup worker, whose rounds end without it, is found too.
 
-It also logs every change the rule records (one line each), keeps them for
-results.json, writes the worker count and each slice to TensorBoard, and
-calls `on_unreachable` when ps 0 has not answered for
+It also logs every change the rule records (one line each), keeps them
+on ps 0 for results.json, writes the worker count and each slice to
+TensorBoard, and calls `on_unreachable` when ps 0 has not answered for
 --worker_timeout_secs. (Below --min_workers the chief's training loop
 itself stops: trainer/roles/step.py.)
 """
@@ -31,6 +28,7 @@ import numpy as np
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
 from trainer.roles.takeover import port_refuses
+from trainer.roles import liveness
 from trainer.roles import timing
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
@@ -64,7 +62,8 @@ class MembershipWatch(BackgroundThread):
         worker index (never reported lost). kept: (the records so far,
         from ps 0; keep(records), which stores them there again), so that
         they outlive this chief's connection and process."""
-        super().__init__("membership", timing.MEMBERSHIP_CHECK_SECS, timing.MEMBERSHIP_CHECK_SECS * 8)
+        every = timing.MEMBERSHIP_CHECK_SECS
+        super().__init__("membership", every, every * 8)
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
@@ -72,6 +71,7 @@ class MembershipWatch(BackgroundThread):
         self._chief, self._refuses = chief, port_refuses(cluster)
         # {"step", "event", "worker", "workers"}, this run's so far
         self.records, self._keep = list(kept[0]), kept[1]
+        self._unkept = False     # records taken but not kept on ps 0
         self.reasons = {}        # worker -> why we reported it lost
         # worker -> (its last push's round, when that changed, reported)
         self._heard, self._failing_since = {}, None
@@ -101,8 +101,10 @@ class MembershipWatch(BackgroundThread):
         steps, kinds, workers, members = self._take()
         for step, kind, worker, count in zip(steps, kinds, workers, members):
             self._log_change(int(step), int(kind), int(worker), int(count))
-        if len(steps) and self._keep is not None:
-            self._keep(self.records)
+        self._unkept = self._unkept or len(steps) > 0
+        if self._unkept and self._keep is not None:
+            self._keep(self.records)   # raises if ps 0 did not answer
+            self._unkept = False
 
     def _log_change(self, step, kind, worker, count) -> None:
         event = EVENT_NAMES[kind]
@@ -148,16 +150,14 @@ class MembershipWatch(BackgroundThread):
         if state.last_push[k] != pushed:
             pushed, since, reported = state.last_push[k], now, False
         heard[k] = (pushed, since, reported)
-        silent, timeout = now - since, self._config.worker_timeout_secs
         if reported:
             return
-        if silent >= timeout:
-            self.reasons[k] = (f" (no gradient for step {state.step} in "
-                               f"{timeout:.0f} s, --worker_timeout_secs)")
-        elif silent >= timing.PORT_CHECK_AFTER_SECS and self._refuses(k):
-            self.reasons[k] = " (its port refuses connections)"
-        else:
+        why = liveness.lost(now - since, self._config.worker_timeout_secs,
+                            "--worker_timeout_secs", "gradient",
+                            lambda: self._refuses(k))
+        if why is None:
             return
+        self.reasons[k] = f" ({why})"
         heard[k] = (pushed, since, True)
         self._report_lost(k)
 

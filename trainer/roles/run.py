@@ -93,9 +93,10 @@ class SpareChief:
     comes out of the worker's own steps. So only the worker first in line
     to take over (takeover.Judge's order: the lowest index in the roster
     but the chief's) builds ahead, and only once it has been in the run
-    for timing.BUILD_AHEAD_AFTER_SECS; another worker builds when it claims the role
-    (`result`), or when it comes first in line. result() is a tuple
-    (Mnist with the test set, WorkerGraph, standby.Warmed or None)."""
+    for timing.BUILD_AHEAD_AFTER_SECS; another worker builds when it
+    claims the role (`result`), or when it comes first in line. result()
+    is a tuple (Mnist with the test set, WorkerGraph, standby.Warmed or
+    None)."""
 
     def __init__(self, config: TrainConfig, task: Task, data_dir,
                  worker: Worker):
@@ -134,13 +135,13 @@ class SpareChief:
 def _first_in_line(worker: Worker) -> bool:
     """Whether `worker` would claim the chief's role first if the chief
     were lost now (False if ps 0 does not answer)."""
-    session = worker.session
+    with worker._lock:
+        session, g = worker.session, worker.g
     if session is None:
         return False
     try:
-        record, roster = session.run([worker.g.lock.recorded,
-                                      worker.g.handles.roster])
-    except tf.errors.OpError:
+        record, roster = session.run([g.lock.recorded, g.handles.roster])
+    except Exception:  # noqa: BLE001 (closed meanwhile, ps 0 away: not yet)
         return False
     chief = int(record[takeover.INDEX])
     return all(not inside for k, inside in enumerate(roster[:worker.k])

@@ -137,7 +137,8 @@ class PsWatch(BackgroundThread):
     calls back() once it answers. Once either is called, it stops."""
 
     def __init__(self, task, ps_down: int | None, down, back):
-        super().__init__("ps-watch", timing.PS_PORT_CHECK_SECS, timing.PS_PORT_CHECK_SECS * 4)
+        every = timing.PS_PORT_CHECK_SECS
+        super().__init__("ps-watch", every, every * 4)
         self._task, self._ps_down = task, ps_down
         self._down, self._back = down, back
         self._refused = set()   # refused at the last look
@@ -149,7 +150,8 @@ class PsWatch(BackgroundThread):
                 return False
             return True
         refused = {i for i in range(1, self._task.cluster.num_ps)
-                   if ports.answer(self._task.cluster.ps[i], timing.PS_PORT_CHECK_SECS,
+                   if ports.answer(self._task.cluster.ps[i],
+                                   timing.PS_PORT_CHECK_SECS,
                                    "--ps_hosts") == ports.REFUSED}
         twice, self._refused = refused & self._refused, refused
         if twice:

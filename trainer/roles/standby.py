@@ -66,10 +66,11 @@ class Graphs:
         return down, (before if before not in (None, down) else None)
 
     def prebuild(self, current) -> ThreadCall | None:
-        """With --ps_mirrors, timing.BUILD_AHEAD_AFTER_SECS later on a thread (which
-        it returns): builds a graph without each ps but ps 0, and one with
-        every ps (those not built yet), and, serving with every ps, warms
-        those without one. Call it at each connect, once in the run."""
+        """With --ps_mirrors, timing.BUILD_AHEAD_AFTER_SECS later on a
+        thread (which it returns): builds a graph without each ps but
+        ps 0, and one with every ps (those not built yet), and, serving
+        with every ps, warms those without one. Call it at each connect,
+        once in the run."""
         if not self._mirrored:
             return None
         with self._lock:

@@ -1,15 +1,11 @@
 """The chief's work moves: claiming the chief's role, the chief's beat, and
 the watch by which the other workers find a lost chief.
 
-The chief's process beats: every timing.BEAT_SECS it adds one to the beats of
-its record on ps 0 (`sync/chief`: epoch, worker index, beats; see
-trainer/sync/chief_lock.py). Every other worker watches that record
-beside its training runs, and calls the chief lost once the beats stop:
-
-- for a second while the chief's port refuses connections (the process
-  is gone);
-- for --worker_timeout_secs otherwise (a host cut off, frozen or starved
-  does not refuse: only the timeout tells).
+The chief's process beats: every timing.BEAT_SECS it adds one to the
+beats of its record on ps 0 (`sync/chief`: epoch, worker index, beats;
+see trainer/sync/chief_lock.py). Every other worker watches that record
+beside its training runs, and calls the chief lost once the silence rule
+(liveness.lost) says so of its beats.
 
 Then the worker with the lowest index among the others in the roster
 claims the chief's role at once; the next one a further
@@ -31,6 +27,7 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
+from trainer.roles import liveness
 from trainer.roles import timing
 from trainer.roles.background import (BackgroundThread, OwnSession,
                                       close_within)
@@ -223,16 +220,12 @@ class Judge:
         if seen != self._seen or chief == self.me:
             self._seen, self._since, self._lost_at = seen, now, None
             return None
-        silent = now - self._since
-        limit, flag = self._limit()
         if self._lost_at is None:
-            if silent >= limit:
-                self._why = f"no beat for {limit:.0f} s, {flag}"
-            elif silent >= timing.REFUSED_AFTER_SECS and self.refuses(chief):
-                self._why = "its port refuses connections"
-            else:
+            why = liveness.lost(now - self._since, *self._limit(), "beat",
+                                lambda: self.refuses(chief))
+            if why is None:
                 return None
-            self._lost_at = now
+            self._why, self._lost_at = why, now
         rank = sum(1 for k, inside in enumerate(roster)
                    if inside and k not in (chief, self.me) and k < self.me)
         if now - self._lost_at >= rank * self.timeout:

@@ -21,12 +21,11 @@ CLOSE_DEADLINE_SECS = 15.0
 QUICK_CLOSE_SECS = 1.0
 # The chief's beat, and each worker's reading of it.
 BEAT_SECS = 0.5
-# A chief silent this long whose port refuses connections is gone.
+# A task (a member, the chief) silent this long whose port refuses
+# connections is gone (liveness.lost).
 REFUSED_AFTER_SECS = 1.0
 # The membership watch's check of the round, on the chief.
 MEMBERSHIP_CHECK_SECS = 0.5
-# A member this late in a round has its port checked.
-PORT_CHECK_AFTER_SECS = 1.0
 # A gap between two membership checks longer than this: the chief's
 # process did not run (stopped, swapped out), and the workers' silence
 # meanwhile is not held against them.

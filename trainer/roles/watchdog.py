@@ -28,9 +28,9 @@ from trainer.roles.background import BackgroundThread, ThreadCall
 
 class BoundedRead:
     """Calls read() on a helper thread and waits for it at most
-    timing.READ_DEADLINE_SECS (else raises TimeoutError). While an earlier call is
-    still blocked, no new one starts: waiting on it again counts as another
-    failed read."""
+    timing.READ_DEADLINE_SECS (else raises TimeoutError). While an
+    earlier call is still blocked, no new one starts: waiting on it
+    again counts as another failed read."""
 
     def __init__(self, read: Callable):
         self._read, self._call = read, None
@@ -61,7 +61,8 @@ class Watchdog(BackgroundThread):
         thread, when ps 0 answers again after at least return_after_secs
         without (a worker whose link came back joins again:
         trainer/roles/lifecycle.py)."""
-        super().__init__("watchdog", timing.WATCHDOG_CHECK_SECS, timing.WATCHDOG_CHECK_SECS * 3)
+        every = timing.WATCHDOG_CHECK_SECS
+        super().__init__("watchdog", every, every * 3)
         self._read = BoundedRead(read_progress)
         self._describe = describe_missing
         self._unreachable = unreachable

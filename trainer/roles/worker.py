@@ -110,9 +110,9 @@ class Worker(WorkerRole):
 
     def _join(self, dog):
         """Asks the chief in and waits for the first token (int64 [4]),
-        asking again every timing.JOIN_AGAIN_SECS while the roster does not hold
-        us (a LOST report about our previous self may have overtaken the
-        request), up to --startup_timeout_secs."""
+        asking again every timing.JOIN_AGAIN_SECS while the roster does
+        not hold us (a LOST report about our previous self may have
+        overtaken the request), up to --startup_timeout_secs."""
         h = self.g.handles
         self.session.run(h.join_op)
         logging.info("worker %d asked the chief to take it in", self.k)
@@ -125,8 +125,8 @@ class Worker(WorkerRole):
                         "the chief did not take this worker in within "
                         f"{self.config.startup_timeout_secs:.0f} s "
                         "(--startup_timeout_secs)")
-                if now - asked > timing.JOIN_AGAIN_SECS and not self.session.run(
-                        h.roster)[self.k]:
+                if (now - asked > timing.JOIN_AGAIN_SECS
+                        and not self.session.run(h.roster)[self.k]):
                     self.session.run(h.join_op)
                     asked = now
                 time.sleep(timing.POLL_SECS / 5)
