@@ -55,12 +55,13 @@ import dataclasses
 import tensorflow as tf
 
 from trainer.learning import fixed_point
+from trainer.sync import act_table
 from trainer.sync import pace as pace_lib
 from trainer.sync import queues
 from trainer.sync import slices as slices_lib
 from trainer.sync import state as state_lib
 from trainer.sync import step_record
-from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED, set_at as _set
+from trainer.sync.state import JOINED, set_at as _set
 
 # Balanced slices are cut only where the speeds predict rounds at least
 # this much shorter than with equal slices (slices.prefer).
@@ -192,6 +193,13 @@ class Averaging:
                             give_back, after=[event[0]])
 
     def _act_on(self, event, step, round_) -> tuple:
+        """Acts on one event (kind, worker: int32 []; its step, round:
+        int64 []; sent_at: float64 [], ps 0's clock) in round `round_` of
+        step `step` (int64 []), as trainer/sync/act_table.py's table
+        says: admits a push, times it, drops a stale one, takes a worker
+        into or out of the roster with a membership record, or ends the
+        round. Returns (fresh: bool [], lost_member: bool []), `decide`'s.
+        """
         s = self.shared
         kind, worker, for_step, for_round, sent_at = event
         # Every read first, every write after them (a read racing a write
@@ -200,55 +208,34 @@ class Averaging:
         inside = roster[worker]
         planned = s.planned.read_value()[worker]
         admitted = s.admitted.read_value()[worker]
-        unfinished = tf.logical_and(planned, tf.logical_not(admitted))
         # A worker (re)joining is measured afresh.
         fresh_start = tf.equal(kind, JOINED)
         timed, examples_now, secs_now = self.pace.timing(
             kind, worker, for_round, sent_at, fresh_start, planned)
         abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
                                              round_, sent_at)
-        pushed = tf.equal(kind, PUSHED)
-        fresh = tf.logical_and(pushed, tf.logical_and(tf.logical_and(
-            tf.equal(for_step, step), tf.equal(for_round, round_)),
-            unfinished))
-        probed = tf.logical_and(timed, tf.logical_and(
-            inside, tf.logical_not(planned)))
-        # A push from outside the roster is a worker we gave up on that is
-        # alive after all: it joins again.
-        joins = tf.logical_and(tf.logical_or(tf.equal(kind, JOINED), pushed),
-                               tf.logical_not(inside))
-        leaves = tf.logical_and(
-            tf.logical_or(tf.equal(kind, LOST), tf.equal(kind, LEAVING)),
-            tf.logical_and(inside, tf.not_equal(worker, self.chief)))
-        # A member joining again was restarted: its old self will never
-        # push for this round.
-        restarted = tf.logical_and(tf.equal(kind, JOINED), inside)
-        roster_now = tf.logical_or(joins, tf.logical_and(
-            inside, tf.logical_not(leaves)))
+        acts = act_table.decide(
+            kind, inside, tf.not_equal(worker, self.chief), planned,
+            admitted, tf.logical_and(tf.equal(for_step, step),
+                                     tf.equal(for_round, round_)),
+            timed, abandon)
         members = (state_lib.count(roster) - tf.cast(inside, tf.int32)
-                   + tf.cast(roster_now, tf.int32))
-        changed = tf.logical_or(joins, leaves)
+                   + tf.cast(acts.roster_now, tf.int32))
         one = worker[None]
-        with tf.control_dependencies([roster_now, members, examples_now,
-                                      secs_now, unfinished, abandon]):
+        with tf.control_dependencies([acts.roster_now, members, examples_now,
+                                      secs_now, acts.unfinished, abandon]):
             ops = [bench_late, *self.pace.record(
                 worker, for_round, timed, fresh_start, examples_now,
                 secs_now),
-                _set(s.admitted, one, tf.logical_or(admitted, fresh)),
-                _set(s.roster, one, roster_now),
-                state_lib.set_if(s.last_push, worker, pushed, for_round),
-                s.dropped.assign_add(tf.cast(tf.logical_and(
-                    pushed, tf.logical_not(tf.logical_or(fresh, probed))),
-                    tf.int64), read_value=False),
-                queues.put_if(s.membership, tf.logical_or(
-                    changed, restarted), (step, tf.where(leaves, kind, JOINED),
-                                          worker, members))]
+                _set(s.admitted, one, tf.logical_or(admitted, acts.fresh)),
+                _set(s.roster, one, acts.roster_now),
+                state_lib.set_if(s.last_push, worker, acts.pushed, for_round),
+                s.dropped.assign_add(tf.cast(acts.dropped, tf.int64),
+                                     read_value=False),
+                queues.put_if(s.membership, acts.record,
+                              (step, acts.record_kind, worker, members))]
         with tf.control_dependencies(ops):
-            # A member left, was restarted, or is far too late: the round
-            # is planned again among the others.
-            lost_member = tf.logical_or(abandon, tf.logical_and(
-                tf.logical_or(leaves, restarted), unfinished))
-            return tf.identity(fresh), lost_member
+            return tf.identity(acts.fresh), tf.identity(acts.lost_member)
 
     def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
         """After a round that lost a member: lets through every pull that

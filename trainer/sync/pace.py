@@ -8,6 +8,7 @@ A slice is timed from the plan that issued its token to its push, both on
 ps 0's clock (the event's time is stamped as it arrives there).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from trainer.sync import queues
@@ -98,34 +99,34 @@ class Pace:
 
     def late(self, kind, for_step, for_round, step, round_, sent_at
              ) -> tuple:
-        """Acts on a LATE event: (the round ends unfinished: bool [], the
-        op that benches its late member). It ends only if it is still this
-        round, exactly one member is late and at least two have pushed
-        (the chief counts as pushed: it pushes before taking events). The
-        late member's slice time becomes at least the time it has taken so
-        far, and over BENCH_FACTOR times every punctual member's, which
-        benches it at the next plan; its push, when it comes, is timed.
-        Two or more late members are waited for: the bench rule could
-        bench neither, each as slow as the other, and the same members
-        would redo the step."""
+        """Acts on a LATE event (kind: int32 []; for_step, for_round, step,
+        round_: int64 []; sent_at: float64 [], ps 0's clock): (the round
+        ends unfinished: bool [], the op that benches its late member).
+
+        A member is late if planned, not admitted, and not the chief;
+        pushed if planned and not late (the chief counts as pushed: it
+        pushes before taking events). Every combination ('-': any; "this
+        round": for_step == step and for_round == round_):
+
+            kind   this round  late    pushed | ends  benched
+            LATE       1        1       >= 2  |  1    the late member
+            LATE       1        1       0, 1  |  0    none
+            LATE       1        0, >= 2  -    |  0    none
+            LATE       0        -        -    |  0    none
+            other      -        -        -    |  0    none
+
+        The late member's slice time becomes at least the time it has
+        taken so far (sent_at - its issued_at), and over BENCH_FACTOR
+        times every punctual (pushed) member's, which benches it at the
+        next plan; its push, when it comes, is timed. Two or more late
+        members are waited for: the bench rule could bench neither, each
+        as slow as the other, and the same members would redo the step.
+        (late_member decides, late_np is its twin.)"""
         s = self.shared
-        planned, admitted = s.planned.read_value(), s.admitted.read_value()
-        late = tf.logical_and(tf.logical_and(planned, tf.logical_not(
-            admitted)), tf.not_equal(tf.range(s.num_workers), self.chief))
-        n_late = count_of(late)
-        n_pushed = count_of(tf.logical_and(planned, tf.logical_not(late)))
-        abandon = tf.logical_and(
-            tf.logical_and(tf.equal(kind, LATE), tf.logical_and(
-                tf.equal(for_step, step), tf.equal(for_round, round_))),
-            tf.logical_and(tf.equal(n_late, 1), n_pushed >= 2))
-        punctual = tf.reduce_max(tf.where(
-            tf.logical_and(planned, tf.logical_not(late)),
-            s.slice_secs.read_value(), 0.0))
-        late = tf.logical_and(late, abandon)
-        which = tf.cast(tf.where(late)[:, 0], tf.int32)
-        taken = tf.maximum(
-            tf.cast(sent_at - tf.gather(s.issued_at.read_value(), which),
-                    tf.float32), 1.01 * BENCH_FACTOR * punctual)
+        abandon, which, taken = late_member(
+            kind, for_step, for_round, step, round_, sent_at,
+            s.planned.read_value(), s.admitted.read_value(),
+            s.slice_secs.read_value(), s.issued_at.read_value(), self.chief)
         # Writes the late member only (never worker 0, whose slice_secs
         # the same event's record() may write).
         bench_late = tf.raw_ops.ResourceScatterMax(
@@ -181,3 +182,45 @@ class Pace:
                             s.stats.read_value()[worker][0])
         secs = averaged(s.slice_secs.read_value()[worker], elapsed)
         return timed, examples, secs
+
+
+def late_member(kind, for_step, for_round, step, round_, sent_at, planned,
+                admitted, slice_secs, issued_at, chief) -> tuple:
+    """Pace.late's decision, with no variable in it (planned, admitted:
+    bool [N]; slice_secs: float32 [N]; issued_at: float64 [N]; chief: int
+    or int32 []; the rest as in `late`): (the round ends: bool []; the
+    member to bench: int32 [1], or [0] if none; its slice time at least:
+    float32 [1] or [0])."""
+    late = tf.logical_and(tf.logical_and(planned, tf.logical_not(
+        admitted)), tf.not_equal(tf.range(planned.shape[0]), chief))
+    n_late = count_of(late)
+    n_pushed = count_of(tf.logical_and(planned, tf.logical_not(late)))
+    abandon = tf.logical_and(
+        tf.logical_and(tf.equal(kind, LATE), tf.logical_and(
+            tf.equal(for_step, step), tf.equal(for_round, round_))),
+        tf.logical_and(tf.equal(n_late, 1), n_pushed >= 2))
+    punctual = tf.reduce_max(tf.where(
+        tf.logical_and(planned, tf.logical_not(late)), slice_secs, 0.0))
+    late = tf.logical_and(late, abandon)
+    which = tf.cast(tf.where(late)[:, 0], tf.int32)
+    taken = tf.maximum(
+        tf.cast(sent_at - tf.gather(issued_at, which), tf.float32),
+        1.01 * BENCH_FACTOR * punctual)
+    return abandon, which, taken
+
+
+def late_np(kind, for_step, for_round, step, round_, sent_at, planned,
+            admitted, slice_secs, issued_at, chief) -> tuple:
+    """`late_member` in NumPy, row by row of Pace.late's table."""
+    planned, admitted = np.asarray(planned, bool), np.asarray(admitted, bool)
+    late = planned & ~admitted & (np.arange(len(planned)) != chief)
+    pushed = planned & ~late
+    ends = bool(kind == LATE and for_step == step and for_round == round_
+                and late.sum() == 1 and pushed.sum() >= 2)
+    if not ends:
+        return False, np.zeros(0, np.int32), np.zeros(0, np.float32)
+    which = np.flatnonzero(late).astype(np.int32)
+    punctual = np.max(np.where(pushed, slice_secs, 0)).astype(np.float32)
+    so_far = (sent_at - np.asarray(issued_at)[which]).astype(np.float32)
+    return True, which, np.maximum(
+        so_far, np.float32(1.01 * BENCH_FACTOR) * punctual)
