@@ -1,13 +1,15 @@
 """docs/flags.md against the flags the commands define: every flag a
 command defines has a row in its section, every row names a flag the
 command has, and the documented default is the flag's default (the code
-is the truth).
+is the truth). And TrainConfig's fields against the trainer's flags of
+the same name: the same default, so the two cannot drift.
 
 The trainer's flags are read in this process (trainer/flags.py imports
 no TensorFlow); those of launch, benchmark and soak in a process per
 command, since they define flags of the same name (--out, --num_workers)
 with other defaults."""
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -171,3 +173,20 @@ def test_derived_defaults_are_still_documented(docs):
         names = {name for name, _ in docs.get(command, [])}
         assert set(derived) <= names, (command, set(derived) - names)
 
+
+def config_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(config.TrainConfig)
+            if f.default is not dataclasses.MISSING}
+
+
+def test_train_config_and_the_flags_have_the_same_defaults():
+    flag_values = trainer_flags.FLAGS
+    names = set(trainer_flags.trainer_flag_names())
+    fields = config_defaults()
+    differ = [f"{n}: TrainConfig {fields[n]!r}, flag "
+              f"{flag_values[n].default!r}" for n in sorted(names)
+              if n in fields and fields[n] != flag_values[n].default]
+    assert not differ, "\n".join(differ)
+    # Every setting of the run is a flag of its name.
+    no_flag = {f.name for f in dataclasses.fields(config.TrainConfig)} - names
+    assert not no_flag, f"TrainConfig fields without a flag: {no_flag}"
