@@ -149,6 +149,8 @@ def test_chief_killed_and_its_work_taken_over(cluster, tmp_path, reference,
     c = cluster(2, "--worker_timeout_secs=60", *filter(None, [order]))
     start_all(c, 2)
     c.wait_for("worker0", r"step (1[2-9]0)/")
+    # The join is logged once it is kept on ps 0 (membership.py).
+    c.wait_for("worker0", r"worker 1 \(\S+\) joined at step")
     c.kill("worker0")
     took = int(c.wait_for("worker1", r"took over the chief's work at step "
                           r"(\d+) \(worker 0 left: its port refuses "

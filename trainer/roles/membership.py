@@ -97,14 +97,19 @@ class MembershipWatch(BackgroundThread):
             self._note_slices(state, always=True)
 
     def take_records(self) -> None:
-        """Logs and keeps the roster changes recorded so far."""
-        steps, kinds, workers, members = self._take()
-        for step, kind, worker, count in zip(steps, kinds, workers, members):
-            self._log_change(int(step), int(kind), int(worker), int(count))
-        self._unkept = self._unkept or len(steps) > 0
+        """Keeps on ps 0, then logs, the roster changes recorded so far
+        (a change logged is kept, whatever happens to this chief next)."""
+        changes = [tuple(int(x) for x in change)
+                   for change in zip(*self._take())]
+        self.records += [{"step": step, "event": EVENT_NAMES[kind],
+                          "worker": worker, "workers": count}
+                         for step, kind, worker, count in changes]
+        self._unkept = self._unkept or bool(changes)
         if self._unkept and self._keep is not None:
             self._keep(self.records)   # raises if ps 0 did not answer
             self._unkept = False
+        for change in changes:
+            self._log_change(*change)
 
     def _log_change(self, step, kind, worker, count) -> None:
         event = EVENT_NAMES[kind]
@@ -114,8 +119,6 @@ class MembershipWatch(BackgroundThread):
         logging.info("%s %s at step %d%s; %s the global batch of %d",
                      self._cluster.describe("worker", worker), event, step,
                      why, carry, self._config.batch_size)
-        self.records.append({"step": step, "event": event, "worker": worker,
-                             "workers": count})
         summaries.write_scalars(self._writer, step,
                                {"membership/workers": count})
 
