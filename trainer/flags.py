@@ -10,6 +10,7 @@ argument is one line on stderr and exit status 2, as is every other input
 error (absl's own parser prints its usage hint and exits 1).
 """
 
+import dataclasses
 import os
 import sys
 from typing import Callable
@@ -21,14 +22,21 @@ from absl import logging
 from trainer.cluster import spec as cluster_lib
 from trainer.cluster import kubernetes
 from trainer.cluster import slurm
-from trainer.common.config import (LR_SCHEDULES, MODELS, OPTIMIZERS, WIRE_DTYPES,
-                            TrainConfig)
+from trainer.common.config import (LR_SCHEDULES, MODELS, OPTIMIZERS,
+                                   WIRE_DTYPES, TrainConfig)
 
 # Flags the launcher sets for each task itself.
 _PER_TASK_FLAGS = ("job_name", "task_index", "ps_hosts", "worker_hosts",
                    "cluster", "slurm_base_port", "kubernetes_workers",
                    "kubernetes_port", "kubernetes_hold_after_end")
 _LOCAL_CLUSTER_FLAGS = ("num_workers", "isolate")
+
+
+def _default(name: str):
+    """The default of the setting `name`, declared once on TrainConfig's
+    field; the trainer flag of that name takes it."""
+    return TrainConfig.__dataclass_fields__[name].default
+
 
 # --- Cluster (or set TF_CONFIG; these flags win over it) ---
 flags.DEFINE_enum("job_name", None, ["ps", "worker"],
@@ -65,76 +73,81 @@ flags.DEFINE_boolean("kubernetes_hold_after_end", True,
                      "does not start the task again.")
 
 # --- Model and optimisation ---
-flags.DEFINE_enum("model", "cnn", list(MODELS), "Model to train.")
-flags.DEFINE_integer("hidden_units", 128, "Width of the mlp's hidden layer.")
-flags.DEFINE_integer("batch_size", 128,
+flags.DEFINE_enum("model", _default("model"), list(MODELS), "Model to train.")
+flags.DEFINE_integer("hidden_units", _default("hidden_units"),
+                     "Width of the mlp's hidden layer.")
+flags.DEFINE_integer("batch_size", _default("batch_size"),
                      "Global batch: images per step over all workers.")
-flags.DEFINE_enum("optimizer", "adam", list(OPTIMIZERS), "Update rule.")
-flags.DEFINE_float("learning_rate", 3e-3, "Initial learning rate.")
-flags.DEFINE_enum("lr_schedule", "cosine", list(LR_SCHEDULES),
+flags.DEFINE_enum("optimizer", _default("optimizer"),
+                  list(OPTIMIZERS), "Update rule.")
+flags.DEFINE_float("learning_rate", _default("learning_rate"),
+                   "Initial learning rate.")
+flags.DEFINE_enum("lr_schedule", _default("lr_schedule"), list(LR_SCHEDULES),
                   "cosine: decay to 0 over the run; constant: no decay.")
-flags.DEFINE_float("momentum", 0.9, "Momentum of --optimizer=momentum.")
-flags.DEFINE_integer("train_steps", None,
+flags.DEFINE_float("momentum", _default("momentum"),
+                   "Momentum of --optimizer=momentum.")
+flags.DEFINE_integer("train_steps", _default("train_steps"),
                      "Global steps to train (default: --epochs).")
-flags.DEFINE_float("epochs", None,
+flags.DEFINE_float("epochs", _default("epochs"),
                    "Epochs to train if --train_steps is not given "
                    "(default 12).")
-flags.DEFINE_enum("wire_dtype", "float32", list(WIRE_DTYPES),
+flags.DEFINE_enum("wire_dtype", _default("wire_dtype"), list(WIRE_DTYPES),
                   "Type of parameters and gradients on the links between "
                   "workers and ps tasks; the ps keeps, sums and applies in "
                   "float32. bfloat16 halves the bytes (float16 may overflow "
                   "on gradient sums).")
-flags.DEFINE_integer("micro_batch", 0,
+flags.DEFINE_integer("micro_batch", _default("micro_batch"),
                      "Compute the global batch in micro-batches of N rows, "
                      "each with the same ops and shapes whoever computes it; "
                      "slices are whole micro-batches. An example's gradient "
                      "then has the same bits whatever slice holds it "
                      "(docs/how-it-works.md#micro-batches). 0: each slice "
                      "in one piece (8 rows with --deterministic).")
-flags.DEFINE_bool("deterministic", False,
+flags.DEFINE_bool("deterministic", _default("deterministic"),
                   "Sum gradients as fixed-point integers over micro-batches "
                   "(--micro_batch, 8 unless given): the parameters then "
                   "have the same bits for any number of workers, any "
                   "slicing and any fault (docs/how-it-works.md#"
                   "bit-identical-training).")
-flags.DEFINE_boolean("ps_mirrors", False,
+flags.DEFINE_boolean("ps_mirrors", _default("ps_mirrors"),
                      "With 2 or more ps tasks, keep a copy of each ps's "
                      "shards and optimizer state on the next ps, updated by "
                      "every step: a ps started again is refilled from the "
                      "copies, and no step is trained again "
                      "(docs/how-it-works.md#a-lost-ps-and-its-mirrors).")
-flags.DEFINE_boolean("ordered_pulls", False,
+flags.DEFINE_boolean("ordered_pulls", _default("ordered_pulls"),
                      "Workers read the parameters one at a time, in worker "
                      "order, so the first computes and pushes while the "
                      "others still pull: for a step bound by a ps link's "
-                     "bandwidth (docs/how-it-works.md#ordered-pulls). Not with "
-                     "--backup_workers.")
-flags.DEFINE_integer("chunk_kb", 0,
+                     "bandwidth (docs/how-it-works.md#ordered-pulls). Not "
+                     "with --backup_workers.")
+flags.DEFINE_integer("chunk_kb", _default("chunk_kb"),
                      "Retired: it chose the pipelined protocol, and any "
                      "value but 0 is now refused; every step pulls whole "
                      "shards, then pushes them (docs/how-it-works.md"
                      "#pipelined-chunks).")
-flags.DEFINE_integer("seed", 0, "Seed of initialisation, shuffling, dropout.")
-flags.DEFINE_integer("backup_workers", 0,
+flags.DEFINE_integer("seed", _default("seed"),
+                     "Seed of initialisation, shuffling, dropout.")
+flags.DEFINE_integer("backup_workers", _default("backup_workers"),
                      "Workers beyond the ones averaged per step; each step "
                      "uses the first N - b gradients and drops late ones.")
-flags.DEFINE_integer("min_workers", 1,
+flags.DEFINE_integer("min_workers", _default("min_workers"),
                      "The chief trains once this many workers (itself "
                      "included) are in, and stops the run, after a "
                      "checkpoint, when fewer are left. Others join and "
                      "leave at step boundaries.")
-flags.DEFINE_string("slices", "balanced",
+flags.DEFINE_string("slices", _default("slices"),
                     "How the chief cuts each global batch among the "
                     "workers that are in: balanced (by each worker's "
                     "measured examples per second) or equal.")
 
 # --- Data ---
-flags.DEFINE_string("data_dir", None,
+flags.DEFINE_string("data_dir", _default("data_dir"),
                     "Folder with the four MNIST .gz files (default: "
                     "$MNIST_DATA_DIR, else the project's data/ folder).")
-flags.DEFINE_boolean("download", True,
+flags.DEFINE_boolean("download", _default("download"),
                      "Download missing MNIST files from a mirror.")
-flags.DEFINE_string("data_url", None,
+flags.DEFINE_string("data_url", _default("data_url"),
                     "Base URL of a mirror with the four MNIST .gz files "
                     "(default: public mirrors of the original files).")
 
@@ -143,13 +156,16 @@ flags.DEFINE_string("logdir", None,
                     "Checkpoints, TensorBoard logs and results.json "
                     "(default: runs/<model>). The chief resumes from the "
                     "latest checkpoint here.")
-flags.DEFINE_integer("log_every", 100, "Log and summarize every N steps.")
-flags.DEFINE_integer("eval_every", 500,
+flags.DEFINE_integer("log_every", _default("log_every"),
+                     "Log and summarize every N steps.")
+flags.DEFINE_integer("eval_every", _default("eval_every"),
                      "Evaluate on the test set every N steps.")
-flags.DEFINE_integer("checkpoint_every", 500, "Checkpoint every N steps.")
-flags.DEFINE_integer("keep_checkpoints", 5, "Checkpoints (and exports) to "
-                     "keep.")
-flags.DEFINE_boolean("continue_with_new_settings", False,
+flags.DEFINE_integer("checkpoint_every", _default("checkpoint_every"),
+                     "Checkpoint every N steps.")
+flags.DEFINE_integer("keep_checkpoints", _default("keep_checkpoints"),
+                     "Checkpoints (and exports) to keep.")
+flags.DEFINE_boolean("continue_with_new_settings",
+                     _default("continue_with_new_settings"),
                      "Go on from the checkpoints in --logdir although they "
                      "were trained for another number of steps (--train_steps"
                      " or --epochs). Other changed settings (model, "
@@ -157,18 +173,18 @@ flags.DEFINE_boolean("continue_with_new_settings", False,
                      "--logdir.")
 
 # --- Runtime ---
-flags.DEFINE_integer("intra_op_threads", 0,
+flags.DEFINE_integer("intra_op_threads", _default("intra_op_threads"),
                      "Threads per op in this process (0: one per core). "
                      "The local launcher gives each worker its share of "
                      "the cores.")
-flags.DEFINE_integer("inter_op_threads", 0,
+flags.DEFINE_integer("inter_op_threads", _default("inter_op_threads"),
                      "Ops run at once in this process (0: one per core).")
-flags.DEFINE_float("startup_timeout_secs", 120,
+flags.DEFINE_float("startup_timeout_secs", _default("startup_timeout_secs"),
                    "How long to wait for the ps tasks and the chief, at "
                    "start and after losing a ps; a chief that has not "
                    "stepped since its claim may be silent this long "
                    "before a worker takes over its work.")
-flags.DEFINE_float("worker_timeout_secs", 120,
+flags.DEFINE_float("worker_timeout_secs", _default("worker_timeout_secs"),
                    "The silence after which a task counts as lost. It "
                    "bounds: the chief's wait for a member's gradient "
                    "before it hands that worker's examples to the others; "
@@ -178,7 +194,7 @@ flags.DEFINE_float("worker_timeout_secs", 120,
                    "the chief waits for ps 0, and a worker's wait before "
                    "it joins again once ps 0 answers; and gRPC's give-up "
                    "on a peer that does not acknowledge (keepalive).")
-flags.DEFINE_string("trace_steps", None,
+flags.DEFINE_string("trace_steps", _default("trace_steps"),
                     "FIRST:END: record global steps [FIRST, END) with "
                     "TensorFlow's full trace on every worker; writes a "
                     "Chrome trace per worker and a per-step time breakdown "
@@ -279,33 +295,17 @@ def fetch_data() -> None:
         return
     from trainer.learning import data as data_lib
     data_lib.fetch_missing(data_lib.resolve_data_dir(FLAGS.data_dir),
-                           FLAGS.download, data_lib.mirror_list(FLAGS.data_url))
+                           FLAGS.download,
+                           data_lib.mirror_list(FLAGS.data_url))
 
 
 def config_from_flags() -> TrainConfig:
-    return TrainConfig(
-        logdir=FLAGS.logdir or os.path.join("runs", FLAGS.model),
-        model=FLAGS.model, hidden_units=FLAGS.hidden_units,
-        batch_size=FLAGS.batch_size, optimizer=FLAGS.optimizer,
-        learning_rate=FLAGS.learning_rate, lr_schedule=FLAGS.lr_schedule,
-        momentum=FLAGS.momentum,
-        train_steps=FLAGS.train_steps, epochs=FLAGS.epochs, seed=FLAGS.seed,
-        data_dir=FLAGS.data_dir, download=FLAGS.download,
-        data_url=FLAGS.data_url,
-        log_every=FLAGS.log_every, eval_every=FLAGS.eval_every,
-        checkpoint_every=FLAGS.checkpoint_every,
-        keep_checkpoints=FLAGS.keep_checkpoints,
-        backup_workers=FLAGS.backup_workers,
-        min_workers=FLAGS.min_workers, slices=FLAGS.slices,
-        intra_op_threads=FLAGS.intra_op_threads,
-        inter_op_threads=FLAGS.inter_op_threads,
-        startup_timeout_secs=FLAGS.startup_timeout_secs,
-        worker_timeout_secs=FLAGS.worker_timeout_secs,
-        trace_steps=FLAGS.trace_steps, wire_dtype=FLAGS.wire_dtype,
-        ordered_pulls=FLAGS.ordered_pulls, chunk_kb=FLAGS.chunk_kb,
-        micro_batch=FLAGS.micro_batch, deterministic=FLAGS.deterministic,
-        ps_mirrors=FLAGS.ps_mirrors,
-        continue_with_new_settings=FLAGS.continue_with_new_settings)
+    """The run's settings: each TrainConfig field from the trainer flag of
+    its name (tests/test_flags_doc.py checks that every field has one)."""
+    values = {field.name: FLAGS[field.name].value
+              for field in dataclasses.fields(TrainConfig)}
+    values["logdir"] = FLAGS.logdir or os.path.join("runs", FLAGS.model)
+    return TrainConfig(**values)
 
 
 def task_from_flags() -> cluster_lib.Task:
