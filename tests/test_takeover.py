@@ -17,7 +17,9 @@ from tests.test_elastic import (data, frozen, log_time,  # noqa: F401
 from tests.test_cluster_runs import final_parameters
 
 pytestmark = pytest.mark.cluster
-STEPS = 1200
+# Long enough that worker 0, started again after the first takeover, is
+# in before the run ends on a busy machine (its start takes seconds).
+STEPS = 2400
 TIMEOUT = 5   # --worker_timeout_secs
 FLAGS = ("--model=mlp", "--hidden_units=256", "--batch_size=64",
          f"--train_steps={STEPS}", "--seed=3", "--log_every=20",
