@@ -206,9 +206,8 @@ def check_ps_mirrors(ps_mirrors: bool, num_ps: int) -> None:
 def validate(config: TrainConfig, num_workers: int,
              num_ps: int | None = None) -> None:
     """Raises UserError naming the first bad setting and how to fix it
-    (num_ps: the cluster's ps tasks, None where not known yet).
-    (A --batch_size above the training examples is refused once they are
-    read, by TrainConfig.resolved_train_steps.)"""
+    (num_ps: None where not known yet). A --batch_size above the training
+    examples is refused once they are read (resolved_train_steps)."""
     if config.chunk_kb:
         raise UserError(CHUNK_KB_RETIRED)
     if num_ps is not None:

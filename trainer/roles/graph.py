@@ -275,8 +275,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         late_in = (tf.compat.v1.placeholder(tf.int64, [], "late_step"),
                    tf.compat.v1.placeholder(tf.int64, [], "late_round"))
         late_op = shared.send_event(state_lib.LATE, 0, *late_in)
-        deadlines = (shared.take_deadlines() if rule.pace.deadlines
-                     else None)
+        deadlines = shared.take_deadlines() if rule.pace.deadlines else None
         stop_op = coord.stop_op(stop_reason_in)
         take_finished = coord.take_reports()
         contributions = shared.contributions.read_value()
