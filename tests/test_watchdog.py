@@ -108,3 +108,23 @@ def test_the_last_rounds_slices_are_written_even_if_no_check_ran():
         (30, {"membership/slice_0": 40.0, "membership/slice_1": 24.0})]
     watch.write_last_slices()   # nothing new to say: not written twice
     assert len(writer.written) == 1
+
+
+def test_a_failed_runs_reason_survives_a_last_take_that_fails():
+    """A halted run tells ps 0 to exit before the watch stops: the watch's
+    last take then fails, and the run's own failure must come out, not
+    the take's error; on a clean exit the take's error is raised."""
+    def take():
+        raise ConnectionError("ps 0 is gone")
+
+    def make():
+        return membership.MembershipWatch(
+            lambda: None, take, None, types.SimpleNamespace(), None, None,
+            on_unreachable=None)
+
+    with pytest.raises(RuntimeError, match="halted"):
+        with make():
+            raise RuntimeError("halted: saved a checkpoint")
+    with pytest.raises(ConnectionError):
+        with make():
+            pass

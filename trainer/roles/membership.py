@@ -25,6 +25,7 @@ from typing import Callable
 from absl import logging
 import numpy as np
 
+from trainer.common.tf_session import error_summary
 from trainer.observe import summaries
 from trainer.roles.background import BackgroundThread
 from trainer.roles.takeover import port_refuses
@@ -81,6 +82,18 @@ class MembershipWatch(BackgroundThread):
     def stop(self) -> None:
         super().stop()
         self.take_records()   # what the last rounds recorded
+
+    def __exit__(self, kind, *rest):
+        # A run that failed may have told ps 0 to exit already (a halt
+        # saves, then shuts the ps tasks down): the last take then fails,
+        # and must not hide why the run ended.
+        try:
+            self.stop()
+        except Exception as e:  # noqa: BLE001 (re-raised on a clean exit)
+            if kind is None:
+                raise
+            logging.warning("the last roster changes are not logged (ps 0 "
+                            "did not answer: %s)", error_summary(e))
 
     def write_last_slices(self) -> None:
         """The last round's slices, at the run's end, once stopped: a
