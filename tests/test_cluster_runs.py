@@ -89,17 +89,19 @@ def test_more_workers_give_the_same_parameters(tmp_path, fake_data, model,
     assert reference["averaged_steps"] == {"0": STEPS}
 
 
-def test_deterministic_runs_have_the_same_bits_for_any_shape(tmp_path,
+def test_runs_have_the_same_bits_for_any_shape_with_no_flags(tmp_path,
                                                              fake_data):
     # Float sums differ in their last bits from the first step with
-    # another slicing; fixed-point sums must not, in any variable (Adam's
-    # slots included), on any number of workers or ps tasks.
+    # another slicing; the default fixed-point sums must not, in any
+    # variable (Adam's slots included), on any number of workers or ps
+    # tasks. No flag asks for it.
     common = ("--model=mlp", "--batch_size=64", f"--train_steps={STEPS}",
-              "--seed=7", "--log_every=10", "--deterministic")
+              "--seed=7", "--log_every=10")
     reference_dir, _ = train(tmp_path, fake_data, 1, *common)
     expected = final_parameters(reference_dir)
     assert any(name.endswith("/v") for name in expected)
-    for workers, num_ps, extra in [(3, 1, ()), (2, 2, ("--slices=equal",))]:
+    for workers, num_ps, extra in [(2, 1, ()), (4, 1, ()), (3, 1, ()),
+                                   (2, 2, ("--slices=equal",))]:
         logdir, results = train(tmp_path, fake_data, workers, *common,
                                 *extra, num_ps=num_ps)
         assert sum(results["averaged_examples"].values()) == 64 * STEPS
@@ -107,6 +109,25 @@ def test_deterministic_runs_have_the_same_bits_for_any_shape(tmp_path,
         differ = [name for name in expected
                   if values[name].tobytes() != expected[name].tobytes()]
         assert not differ, f"{workers} workers, {num_ps} ps: {differ}"
+
+
+def test_a_batch_of_fewer_micro_batches_than_workers_trains_the_same_bits(
+        tmp_path, fake_data):
+    # 16 rows in micro-batches of 8 among 3 workers: one worker has no
+    # micro-batch each step and pushes zeros, and the sums are still the
+    # one-worker run's.
+    common = ("--model=mlp", "--batch_size=16", "--micro_batch=8",
+              f"--train_steps={STEPS}", "--seed=7", "--log_every=10")
+    reference_dir, _ = train(tmp_path, fake_data, 1, *common)
+    logdir, results = train(tmp_path, fake_data, 3, *common,
+                            "--min_workers=3", "--slices=equal")
+    examples = results["averaged_examples"]
+    assert sum(examples.values()) == 16 * STEPS
+    assert sorted(examples.values())[0] == 0, examples
+    expected, values = (final_parameters(reference_dir),
+                        final_parameters(logdir))
+    assert not [name for name in expected
+                if values[name].tobytes() != expected[name].tobytes()]
 
 
 # With --runslow only (CI's time): two ps tasks are exact, bit for bit, in

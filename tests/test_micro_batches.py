@@ -28,7 +28,7 @@ def test_slices_are_whole_micro_batches_covering_the_batch():
 def _gradients(micro_batch: int, cuts: list,
                deterministic: bool = False) -> list[np.ndarray]:
     """Each slice's (shard) gradient sum for global step 3 of a random
-    set of 64 examples: float32 [n] per slice (int64 [n] in fixed point
+    set of 64 examples: float32 [n] per slice (int32 [n] in fixed point
     if deterministic)."""
     config = TrainConfig(logdir="x", model="mlp", hidden_units=16,
                          batch_size=BATCH, seed=5, micro_batch=micro_batch,
@@ -74,7 +74,7 @@ def test_fixed_point_slices_sum_to_the_batch_bit_for_bit():
     # add up to the whole batch's, exactly, in any order.
     cuts = [[0, BATCH], [0, 8], [8, 24], [24, BATCH], [0, 16], [16, BATCH]]
     whole, a, b, c, d, e = _gradients(0, cuts, deterministic=True)
-    assert whole.dtype == np.int64 and np.abs(whole).max() > 2 ** 32
+    assert whole.dtype == np.int32 and np.abs(whole).max() > 2 ** 16
     np.testing.assert_array_equal(c + b + a, whole)
     np.testing.assert_array_equal(e + d, whole)
 
@@ -83,6 +83,9 @@ def test_deterministic_mean_is_the_float_mean_up_to_rounding():
     fixed, = _gradients(0, [[0, BATCH]], deterministic=True)
     plain, = _gradients(8, [[0, BATCH]])
     with tf.Graph().as_default(), tf.compat.v1.Session() as session:
-        mean = session.run(fixed_point.mean(tf.constant(fixed),
-                                            tf.constant(float(BATCH))))
-    np.testing.assert_allclose(mean, plain / BATCH, rtol=1e-5, atol=1e-8)
+        mean = session.run(fixed_point.mean(
+            tf.constant(fixed), tf.constant(float(BATCH)),
+            fixed_point.scheme(BATCH, TrainConfig("x", batch_size=BATCH)
+                               .micro_batch_rows())))
+    # The fixed point's resolution on the mean: 2^-scale_bits / BATCH.
+    np.testing.assert_allclose(mean, plain / BATCH, rtol=1e-4, atol=1e-6)

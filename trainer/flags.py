@@ -95,20 +95,22 @@ flags.DEFINE_enum("wire_dtype", _default("wire_dtype"), list(WIRE_DTYPES),
                   "Type of parameters and gradients on the links between "
                   "workers and ps tasks; the ps keeps, sums and applies in "
                   "float32. bfloat16 halves the bytes (float16 may overflow "
-                  "on gradient sums).")
+                  "on gradient sums); both need --nodeterministic.")
 flags.DEFINE_integer("micro_batch", _default("micro_batch"),
                      "Compute the global batch in micro-batches of N rows, "
                      "each with the same ops and shapes whoever computes it; "
                      "slices are whole micro-batches. An example's gradient "
                      "then has the same bits whatever slice holds it "
                      "(docs/how-it-works.md#micro-batches). 0: each slice "
-                     "in one piece (8 rows with --deterministic).")
+                     "in one piece, or with --deterministic the largest "
+                     "divisor of --batch_size up to 8 and --batch_size/16.")
 flags.DEFINE_bool("deterministic", _default("deterministic"),
-                  "Sum gradients as fixed-point integers over micro-batches "
-                  "(--micro_batch, 8 unless given): the parameters then "
+                  "Sum gradients as int32 fixed-point integers over "
+                  "micro-batches (--micro_batch): the parameters then "
                   "have the same bits for any number of workers, any "
                   "slicing and any fault (docs/how-it-works.md#"
-                  "bit-identical-training).")
+                  "bit-identical-training). --nodeterministic sums "
+                  "float32 (needed for a 16-bit --wire_dtype).")
 flags.DEFINE_boolean("ps_mirrors", _default("ps_mirrors"),
                      "With 2 or more ps tasks, keep a copy of each ps's "
                      "shards and optimizer state on the next ps, updated by "

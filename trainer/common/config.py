@@ -11,10 +11,13 @@ LR_SCHEDULES = ("cosine", "constant")     # schedules in trainer/learning/optim.
 WIRE_DTYPES = ("float32", "bfloat16", "float16")  # trainer/sync/wire.py
 SLICES = ("balanced", "equal")            # trainer/sync/slices.py
 DEFAULT_EPOCHS = 12
-# --deterministic (trainer/learning/fixed_point.py): its micro-batch unless
-# --micro_batch gives one, and the most micro-batches a step can sum.
+# Fixed-point sums (--deterministic, the default: trainer/learning/
+# fixed_point.py) compute the batch in micro-batches. Unless --micro_batch
+# gives one, it is the largest divisor of --batch_size up to
+# DETERMINISTIC_MICRO_BATCH that still cuts the batch into at least
+# MIN_MICRO_BATCHES (a function of the batch alone, never of the workers).
 DETERMINISTIC_MICRO_BATCH = 8
-MAX_MICRO_BATCHES = 1024
+MIN_MICRO_BATCHES = 16
 
 # The settings that must match, declared once, on TrainConfig's fields:
 # WORKERS: every worker must have the chief's (the handshake compares them,
@@ -72,18 +75,22 @@ class TrainConfig:
     # rows computed together, slices in whole ones (0: each slice at once)
     micro_batch: int = _shared(0, WORKERS)
     # gradient sums in fixed point: the same bits for any worker count
-    deterministic: bool = _shared(False, WORKERS)
+    deterministic: bool = _shared(True, WORKERS)
     # a copy of each ps's shards on the next ps (2 or more ps tasks)
     ps_mirrors: bool = _shared(False, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused
     continue_with_new_settings: bool = False  # more steps on a logdir
 
     def micro_batch_rows(self) -> int:
-        """The micro-batch in use: --micro_batch, else
-        DETERMINISTIC_MICRO_BATCH with --deterministic, else 0 (none)."""
+        """The micro-batch in use: --micro_batch; else, with
+        --deterministic, the largest divisor of --batch_size at most
+        DETERMINISTIC_MICRO_BATCH and --batch_size / MIN_MICRO_BATCHES
+        (at least 1); else 0 (none)."""
         if self.micro_batch or not self.deterministic:
             return self.micro_batch
-        return DETERMINISTIC_MICRO_BATCH
+        most = max(1, min(DETERMINISTIC_MICRO_BATCH,
+                          self.batch_size // MIN_MICRO_BATCHES))
+        return max(d for d in range(1, most + 1) if self.batch_size % d == 0)
 
     def op_threads(self) -> tuple[int, int]:
         """(intra-op, inter-op) threads of a task's session; 0: all cores.
@@ -172,27 +179,17 @@ def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
     if m == 0:
         return
     if config.batch_size % m:
-        given = ("" if config.micro_batch else
-                 " (--deterministic's default micro-batch)")
-        raise UserError(f"--micro_batch={m}{given} does not divide "
-                        f"--batch_size={config.batch_size}; pick a divisor "
-                        "of it with --micro_batch")
-    if config.deterministic and (config.batch_size // m
-                                 > MAX_MICRO_BATCHES):
-        raise UserError(
-            f"--batch_size={config.batch_size} holds "
-            f"{config.batch_size // m} micro-batches of {m}; --deterministic "
-            f"sums at most {MAX_MICRO_BATCHES} (int64 range): "
-            "raise --micro_batch")
+        raise UserError(f"--micro_batch={m} does not divide --batch_size="
+                        f"{config.batch_size}; pick a divisor of it, or drop "
+                        "--micro_batch for the default")
     if config.deterministic and config.wire_dtype != "float32":
         raise UserError(
-            f"--deterministic and --wire_dtype={config.wire_dtype} do not "
-            "mix: the gradient sums cross as int64; drop --wire_dtype")
-    if config.batch_size // m < num_workers:
-        raise UserError(
-            f"--batch_size={config.batch_size} holds "
-            f"{config.batch_size // m} micro-batches of {m}, fewer than the "
-            f"{num_workers} workers; lower --micro_batch")
+            f"--wire_dtype={config.wire_dtype} rounds the gradients on the "
+            "wire, which the exact sums (--deterministic, the default) "
+            "cannot: add --nodeterministic to sum floats, or drop "
+            "--wire_dtype")
+    # Fewer micro-batches than workers still train: a worker given no
+    # micro-batch pushes an empty slice's zeros (trainer/sync/slices.py).
 
 
 def check_ps_mirrors(ps_mirrors: bool, num_ps: int) -> None:

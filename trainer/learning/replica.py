@@ -105,10 +105,17 @@ class Replica:
     """One worker's gradient computation for one step (tensors on it)."""
 
     step: tf.Tensor          # int64 [], the global step computed
-    # per shard: gradient of the loss sum, float32 [n_s] (int64 [n_s] in
+    # per shard: gradient of the loss sum, float32 [n_s] (int32 [n_s] in
     # fixed point with --deterministic; fixed_point.mean divides either)
     shard_grads: list
     stats: tf.Tensor         # float32 [NUM_STATS]
+
+
+def fixed_point_of(config: TrainConfig) -> fixed_point.Scheme | None:
+    """The run's fixed point (--deterministic), or None (float sums)."""
+    if not config.deterministic:
+        return None
+    return fixed_point.scheme(config.batch_size, config.micro_batch_rows())
 
 
 def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
@@ -127,7 +134,7 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
     shapes fixed by the global batch, not by the slicing, give an example
     the same forward and backward pass whoever computes it. With
     --deterministic each micro-batch's gradient is then converted to fixed
-    point and the sums are int64 (trainer/learning/fixed_point.py), so the
+    point and the sums are int32 (trainer/learning/fixed_point.py), so the
     slice's sum is the same integers in any order; without it they are
     float32 sums in micro-batch order.
     """
@@ -159,8 +166,9 @@ def compute_gradients(config: TrainConfig, layout: params_lib.FlatLayout,
         return (i + 1, [g if d is None else g + convert(d)
                         for g, d in zip(grads, new)], stats + part)
 
-    convert, dtype = ((fixed_point.to_fixed, fixed_point.DTYPE)
-                      if config.deterministic else (tf.identity, tf.float32))
+    fixed = fixed_point_of(config)
+    convert, dtype = ((fixed.to_fixed, fixed_point.DTYPE)
+                      if fixed else (tf.identity, tf.float32))
     _, grads, stats = tf.while_loop(
         lambda i, *_: i < count, one_micro_batch,
         [tf.constant(0, tf.int64),

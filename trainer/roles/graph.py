@@ -15,7 +15,6 @@ from trainer.cluster import devices
 from trainer.cluster.spec import Task
 from trainer.common.config import WORKERS, TrainConfig, shared_settings
 from trainer.learning import batches
-from trainer.learning import fixed_point
 from trainer.learning import params as params_lib
 from trainer.learning import replica as replica_lib
 from trainer.roles import step as step_lib
@@ -209,7 +208,7 @@ def _parameters_and_state(config: TrainConfig, cluster, layout: list,
         for i in flat.ps_indices]
     return flat, state_lib.SharedState(
         cluster.num_workers, flat.sizes, shard_devices, train_steps,
-        fixed_point.DTYPE if config.deterministic else tf.float32, ps_down)
+        replica_lib.fixed_point_of(config), ps_down)
 
 
 def _mirrors(config: TrainConfig, num_ps: int, parts: step_lib.StepParts,

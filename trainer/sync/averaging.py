@@ -274,10 +274,11 @@ class Averaging:
         mean_grads = []
         for grads, device in zip(s.grads, s.shard_devices):
             with tf.device(device):
-                # int64 rows (--deterministic) add up to the same sum
+                # int32 rows (--deterministic) add up to the same sum
                 # in any order; float32 rows to nearly the same.
                 mean_grads.append(fixed_point.mean(
-                    tf.reduce_sum(grads.sparse_read(rows), axis=0), stats[0]))
+                    tf.reduce_sum(grads.sparse_read(rows), axis=0), stats[0],
+                    s.fixed))
         return mean_grads, stats
 
     def count_and_advance(self, step: tf.Tensor, after: list) -> tf.Tensor:

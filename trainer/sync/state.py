@@ -20,6 +20,7 @@ What crosses between the chief and the workers:
 
 import tensorflow as tf
 
+from trainer.learning import fixed_point
 from trainer.learning.replica import NUM_STATS
 from trainer.sync import queues
 
@@ -90,12 +91,14 @@ class SharedState:
 
     def __init__(self, num_workers: int, shard_sizes: list[int],
                  shard_devices: list[str], train_steps: int = 1,
-                 grad_dtype: tf.DType = tf.float32,
+                 fixed: fixed_point.Scheme | None = None,
                  ps_down: int | None = None):
-        # grad_dtype: the gradient rows' (int64: --deterministic's sums).
+        # fixed: the fixed point of the gradient rows (int32 sums,
+        # --deterministic), or None (float32 sums).
         # ps_down: the ps this graph does without (its shards are served
         # by their copies, shard_devices says where), or None.
-        self.num_workers, self.grad_dtype = num_workers, grad_dtype
+        self.num_workers, self.fixed = num_workers, fixed
+        self.grad_dtype = fixed_point.DTYPE if fixed else tf.float32
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
         self.ps_down_here = NO_PS_DOWN if ps_down is None else ps_down
         zeros = tf.compat.v1.zeros_initializer()

@@ -66,15 +66,16 @@ class Transport:
         puts the event (PUSHED, worker, step, round) on sync/events.
         token: int64 [4], the one the gradients were computed for.
         shard_grads: per shard, the sum over the slice's examples of the
-        per-example loss gradient: float32 [n_s], or int64 [n_s] in fixed
+        per-example loss gradient: float32 [n_s], or int32 [n_s] in fixed
         point (--deterministic), which crosses as it is. stats: float32
         [3], (examples, loss sum, correct predictions)."""
         shared, dtype = self.shared, self.wire_dtype
-        fixed = shared.grad_dtype == fixed_point.DTYPE
+        fixed = shared.fixed is not None
         sent = (shard_grads if fixed else
                 [wire.to_wire(grads, dtype) for grads in shard_grads])
         # Shard 0's gradient, the stats and the token cross as one tensor
-        # of the wire dtype; int64 sums are packed as int32 pairs instead.
+        # of the wire dtype; with int32 sums, of int32 (the bits as they
+        # are).
         carrier = tf.int32 if fixed else dtype
         packed = tf.concat([wire.bits_to_wire(sent[0], carrier),
                             wire.bits_to_wire(stats, carrier),

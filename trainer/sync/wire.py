@@ -21,8 +21,8 @@ gradient rows back into float32 on arrival; the worker does the opposite
 wire-rounded gradient sums, computed on wire-rounded parameters.
 
 Fixed-point gradient sums (--deterministic, trainer/learning/fixed_point.py)
-are int64 and cross as they are, at twice float32's bytes; they do not
-mix with a 16-bit wire (trainer/common/config.py refuses it).
+are int32 and cross as they are, float32's bytes; they do not mix with a
+16-bit wire (trainer/common/config.py refuses it).
 
 Values that must stay exact (the int64 step, the float32 statistics) ride
 in the same tensors as the rounded values, their bits reinterpreted as

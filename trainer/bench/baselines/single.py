@@ -62,7 +62,8 @@ def build_single_process(config: TrainConfig, num_train_examples: int,
             values = [v.read_value() for v in flat.variables]
             replica = replica_lib.compute_gradients(
                 config, flat, trainset, step, trainset.bounds, values)
-            mean = [fixed_point.mean(g, replica.stats[0])
+            fixed = replica_lib.fixed_point_of(config)
+            mean = [fixed_point.mean(g, replica.stats[0], fixed)
                     for g in replica.shard_grads]
             optimizer = optim.make_optimizer(
                 config, optim.learning_rate(config, step, train_steps))
