@@ -61,7 +61,8 @@ def test_the_deterministic_note_says_whether_accuracies_are_equal():
             {"run": "mwms_2w", "kind": "mwms", "test_accuracy": 0.9851},
             {"run": "single_2t", "kind": "single", "test_accuracy": 0.9842}]
     note = rows_lib.deterministic_note(rows)
-    assert "98.4300% in every ps row" in note and "ps_1w, ps_2w" in note
+    assert "equal to the last digit: 98.4300% in every one (ps_1w, ps_2w)" \
+        in note
     rows[1]["test_accuracy"] = 0.9844
     note = rows_lib.deterministic_note(rows)
     assert "differ: ps_1w 98.4300%, ps_2w 98.4400%" in note

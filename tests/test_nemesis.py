@@ -216,7 +216,7 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
 @pytest.mark.hosts
 def test_a_short_schedule_covers_every_fault_kind(tmp_path):
     """The suite's nemesis: one fault of every kind on 4 workers, with
-    --deterministic, once (CI's time: the long runs are in
+    no training flag (fixed-point sums), once (CI's time: the long runs are in
     docs/nemesis.md), judged by the whole checker (every variable bit for
     bit the 1-worker run's, each step's average, statuses, rejoins,
     cleanup)."""
@@ -233,7 +233,7 @@ def test_a_short_schedule_covers_every_fault_kind(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "trainer.nemesis", "--covering",
          "--schedules=1", "--seed=1", "--workers=4", "--train_steps=300",
-         "--max_fault_secs=15", "--deterministic", f"--data_dir={data}",
+         "--max_fault_secs=15", f"--data_dir={data}",
          f"--out={out}"],
         capture_output=True, text=True, timeout=720, cwd=helpers.REPO,
         env=helpers.python_env())

@@ -1,7 +1,8 @@
 """The chief's work moves: a worker takes over a lost chief on loopback,
 from the state on the ps tasks, and the run ends exact.
 
-Runs use --deterministic, so "exact" is bit for bit the one-worker run's
+Runs use the default fixed-point sums, so "exact" is bit for bit the
+one-worker run's
 parameters and Adam slots: no step redone, none lost, none applied twice.
 """
 
@@ -23,8 +24,7 @@ STEPS = 2400
 TIMEOUT = 5   # --worker_timeout_secs
 FLAGS = ("--model=mlp", "--hidden_units=256", "--batch_size=64",
          f"--train_steps={STEPS}", "--seed=3", "--log_every=20",
-         "--checkpoint_every=100", f"--worker_timeout_secs={TIMEOUT}",
-         "--deterministic")
+         "--checkpoint_every=100", f"--worker_timeout_secs={TIMEOUT}")
 
 
 @pytest.fixture(scope="module")

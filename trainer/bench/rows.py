@@ -157,7 +157,7 @@ def write_dashboard(out, spec: dict) -> None:
 
 
 def deterministic_note(rows: list[dict]) -> str:
-    """The line under the table for a --deterministic benchmark: whether
+    """The line under the table (fixed-point sums, the default): whether
     the ps rows' test accuracies are equal to the last digit, as
     fixed-point sums promise, or which differ. (The single process sums
     in fixed point too, but applies its update in another graph, so it is
@@ -167,10 +167,10 @@ def deterministic_note(rows: list[dict]) -> str:
     values = {r["test_accuracy"] for r in same_sum}
     names = ", ".join(r["run"] for r in same_sum)
     if len(values) == 1:
-        return (f"--deterministic: test accuracy {values.pop():.4%} in "
-                f"every ps row ({names}), equal to "
-                "the last digit")
+        return (f"the ps rows' test accuracies are equal to the last "
+                f"digit: {values.pop():.4%} in every one ({names}), as "
+                "fixed-point sums promise")
     listed = ", ".join(f"{r['run']} {r['test_accuracy']:.4%}"
                        for r in same_sum)
-    return (f"--deterministic, yet the test accuracies differ: {listed}; "
+    return (f"fixed-point sums, yet the test accuracies differ: {listed}; "
             "see docs/how-it-works.md#bit-identical-training")
