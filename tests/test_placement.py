@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from tests import helpers
-from tests.test_cluster_runs import final_parameters, max_relative_difference
+from tests.test_cluster_runs import differing, final_parameters
 from tests.test_hosts import available  # noqa: F401 (a fixture)
 from trainer.bench.simhosts import bound
 from trainer.common.config import TrainConfig
@@ -85,6 +85,5 @@ def test_colocated_placement_is_exact(available, data, tmp_path):
     rows = benchmark(four, data, "--workers=4", "--num_ps=4",
                      "--ps_placement=colocated", "--baselines=")
     assert rows["ps_4w"]["ps_placement"] == "colocated"
-    difference = max_relative_difference(final_parameters(one / "ps_1w"),
-                                         final_parameters(four / "ps_4w"))
-    assert difference <= 1e-5
+    assert not differing(final_parameters(one / "ps_1w"),
+                         final_parameters(four / "ps_4w"))

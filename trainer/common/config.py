@@ -73,9 +73,9 @@ class TrainConfig:
     # workers read parameters in turn
     ordered_pulls: bool = _shared(False, WORKERS)
     # rows computed together, slices in whole ones (0: each slice at once)
-    micro_batch: int = _shared(0, WORKERS)
+    micro_batch: int = _shared(0, WORKERS, CHECKPOINT)
     # gradient sums in fixed point: the same bits for any worker count
-    deterministic: bool = _shared(True, WORKERS)
+    deterministic: bool = _shared(True, WORKERS, CHECKPOINT)
     # a copy of each ps's shards on the next ps (2 or more ps tasks)
     ps_mirrors: bool = _shared(False, WORKERS)
     chunk_kb: int = 0                  # retired: anything but 0 is refused

@@ -20,8 +20,9 @@ micro-batch m; M = ceil(B / m) micro-batches a step):
 - scale_bits s = c - ROW_BITS - ceil(log2 m): an element is round(g * 2^s)
   of the micro-batch's gradient sum g, clipped to +-2^(c - s), which is
   2^ROW_BITS per row of the micro-batch or more;
-- so the mean gradient's resolution is 2^-s / B, about 2^-(23 + ROW_BITS)
-  / m whatever B (docs/how-it-works.md gives the table).
+- so the mean gradient's resolution, 2^-s / B, lies between
+  2^(ROW_BITS - 31) and 2^(ROW_BITS - 29) whatever B and m
+  (docs/how-it-works.md gives a table).
 
 A gradient element beyond the clip means the run has diverged or is
 about to; its loss (the statistics travel as floats) says so. Clipping
