@@ -22,7 +22,7 @@ from trainer.sync import state
 @pytest.fixture
 def lock_session():
     """A worker and a ps in process; the lock on the ps; a guarded write
-    (counter += 1) for a fed epoch."""
+    (counter += 1) for a fed generation."""
     ports = helpers.free_ports(2)
     spec = tf.train.ClusterSpec({"worker": [f"localhost:{ports[0]}"],
                                  "ps": [f"localhost:{ports[1]}"]})
@@ -32,14 +32,14 @@ def lock_session():
     with graph.as_default(), tf.device("/job:ps/task:0"):
         lock = chief_lock.ChiefLock("/job:ps/task:0")
         counter = tf.Variable(0, dtype=tf.int64, use_resource=True)
-        epoch = tf.compat.v1.placeholder(tf.int64, [])
+        generation = tf.compat.v1.placeholder(tf.int64, [])
         write = lock.guarded(
-            epoch, lambda: (tf.constant(True), counter.assign_add(1)),
+            generation, lambda: (tf.constant(True), counter.assign_add(1)),
             lambda: (tf.constant(False), counter.read_value()))
         init = counter.initializer
     session = tf.compat.v1.Session(server.target, graph=graph)
     session.run(init)
-    yield session, lock, lambda e: session.run(write, {epoch: e})
+    yield session, lock, lambda e: session.run(write, {generation: e})
     session.close()
 
 
@@ -63,8 +63,8 @@ def test_a_lock_lost_inside_a_write_is_found_by_the_next_claim(lock_session):
     session, lock, _ = lock_session
     takeover.claim(session, lock, 0, wait_secs=1)
     session.run(lock.take)   # a chief killed between its take and its put
-    epoch, lost = takeover.claim(session, lock, 1, wait_secs=0.5)
-    assert (epoch, lost) == (2, True)
+    generation, lost = takeover.claim(session, lock, 1, wait_secs=0.5)
+    assert (generation, lost) == (2, True)
     assert session.run(lock.size) == 1
 
 
@@ -82,7 +82,7 @@ def test_a_write_waiting_for_its_input_does_not_hold_the_lock():
                              lambda: event + 1, lambda: event, after=[event])
         send = inbox.enqueue(41)
     with tf.compat.v1.Session(graph=graph) as session:
-        session.run(lock.put, {lock.epoch_in: 0, lock.index_in: 0})
+        session.run(lock.put, {lock.generation_in: 0, lock.index_in: 0})
         waiting = ThreadCall(lambda: session.run(write), "write")
         time.sleep(0.5)
         assert session.run(lock.size) == 1   # not taken while it waits
@@ -99,7 +99,7 @@ def test_beats_are_counted(lock_session):
     assert list(session.run(lock.recorded)) == [1, 0, 3]
 
 
-def test_the_chiefs_own_beat_lands_only_in_its_epoch():
+def test_the_chiefs_own_beat_lands_only_in_its_generation():
     """takeover.BeatSession: the chief beats from a session of its own,
     and adds to the record only while the record is its own; once
     another worker has claimed the role, its beat lands nothing (a
@@ -142,7 +142,7 @@ def test_a_deposed_chiefs_halt_is_refused():
         turns = pull_turns.PullTurns(2, [ps, ps], False)
         lock = chief_lock.ChiefLock(ps)
         rule = averaging.Averaging(shared, 64, 0, "equal", turns, lock=lock,
-                                   epoch=lock.loop_epoch)
+                                   generation=lock.loop_generation)
         halt = coordination.RunCoordination(shared, turns, "").halt_op(
             rule.guarded)
         halted = shared.halt.read_value()
@@ -151,13 +151,13 @@ def test_a_deposed_chiefs_halt_is_refused():
     with tf.compat.v1.Session(server.target, graph=graph) as session:
         session.run(init)
         first, _ = takeover.claim(session, lock, 0, wait_secs=1)
-        assert session.run(halt, {lock.loop_epoch: first}) == 0
+        assert session.run(halt, {lock.loop_generation: first}) == 0
         assert session.run(halted) == 1
         session.run(unhalt)   # as the next chief's start does
         second, _ = takeover.claim(session, lock, 1, wait_secs=1)
-        assert session.run(halt, {lock.loop_epoch: first}) == (
+        assert session.run(halt, {lock.loop_generation: first}) == (
             coordination.NOT_HALTED)
         assert session.run(halted) == 0
-        assert session.run(halt, {lock.loop_epoch: second}) == 0
+        assert session.run(halt, {lock.loop_generation: second}) == 0
         assert session.run(halted) == 1
         assert session.run(lock.size) == 1

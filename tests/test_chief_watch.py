@@ -15,7 +15,7 @@ from trainer.roles.background import ThreadCall
 
 def test_a_beat_that_did_not_land_hands_nothing_over(monkeypatch):
     """A takeover's claim beats on until the chief's own beat lands, not
-    merely runs: a beat in a deposed epoch lands nothing."""
+    merely runs: a beat in a deposed generation lands nothing."""
     monkeypatch.setattr(timing, "BEAT_SECS", 0.02)
     events = []
 
@@ -53,7 +53,7 @@ def test_silence_counts_only_while_ps_0_answers():
 
 def test_a_chief_in_its_start_is_given_the_startup_timeout():
     """A chief that has taken no step since this worker first read its
-    epoch is starting, and is judged by --startup_timeout_secs: on hosts
+    generation is starting, and is judged by --startup_timeout_secs: on hosts
     of 0.1 core its beat stopped for longer than --worker_timeout_secs
     after `chief ready`, and a worker took over from a chief that was
     fine (docs/nemesis.md). Once
@@ -69,7 +69,7 @@ def test_a_chief_in_its_start_is_given_the_startup_timeout():
     assert j.update([2, 0, 1], ROSTER, 1.0, step=901) is None
     assert j.update([2, 0, 1], ROSTER, 5.9, step=905) is None
     assert "no beat for 5 s" in j.update([2, 0, 1], ROSTER, 6.0, step=905)
-    # A new epoch (another claim) starts anew.
+    # A new generation (another claim) starts anew.
     assert j.update([3, 2, 0], ROSTER, 7.0, step=905) is None
     assert j.update([3, 2, 0], ROSTER, 13.0, step=905) is None
     refusing = takeover.Judge(1, 5.0, lambda k: k == 0, starting=60.0)

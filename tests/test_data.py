@@ -123,8 +123,8 @@ def test_data_dir_precedence(tmp_path):
 
 
 @pytest.fixture
-def mirror(tmp_path):
-    """A local HTTP server standing in for the download mirror."""
+def source(tmp_path):
+    """A local HTTP server standing in for the download source."""
     served = tmp_path / "served"
     helpers.fake_mnist(served, train=30, test=10)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler,
@@ -139,43 +139,43 @@ def mirror(tmp_path):
     server.shutdown()
 
 
-def test_download_fetches_verifies_and_renames(tmp_path, mirror):
-    url, sums = mirror
+def test_download_fetches_verifies_and_renames(tmp_path, source):
+    url, sums = source
     target = tmp_path / "downloaded"
-    mnist = data.load(target, mirrors=(url,), checksums=sums)
+    mnist = data.load(target, sources=(url,), checksums=sums)
     assert len(mnist.train_labels) == 30
     assert sorted(p.name for p in target.iterdir()) == sorted(data.FILES)
 
 
-def test_download_with_bad_checksum_is_removed(tmp_path, mirror):
-    url, sums = mirror
+def test_download_with_bad_checksum_is_removed(tmp_path, source):
+    url, sums = source
     bad = dict(sums, **{data.TRAIN_LABELS: "0" * 64})
     target = tmp_path / "downloaded"
     with pytest.raises(UserError, match="has SHA-256 .* expected 0000.*the "
                        "bad file was removed"):
-        data.load(target, mirrors=(url,), checksums=bad)
+        data.load(target, sources=(url,), checksums=bad)
     assert not (target / data.TRAIN_LABELS).exists()
     assert not list(target.glob(".*partial"))
 
 
-def test_download_tries_the_next_mirror(tmp_path, mirror):
-    url, sums = mirror
+def test_download_tries_the_next_source(tmp_path, source):
+    url, sums = source
     dead = "http://127.0.0.1:9/"  # discard port: connection refused
-    mnist = data.load(tmp_path / "d", mirrors=(dead, url), checksums=sums)
+    mnist = data.load(tmp_path / "d", sources=(dead, url), checksums=sums)
     assert len(mnist.test_labels) == 10
 
 
 def test_no_network_is_a_clear_error(tmp_path):
     with pytest.raises(UserError) as error:
-        data.load(tmp_path / "d", mirrors=("http://127.0.0.1:9/",))
+        data.load(tmp_path / "d", sources=("http://127.0.0.1:9/",))
     text = str(error.value)
     assert "is missing and could not be downloaded" in text
     assert "--data_dir" in text and "\n" not in text
 
 
-def test_gzip_of_downloaded_file_is_what_was_served(tmp_path, mirror):
-    url, sums = mirror
-    data.load(tmp_path / "d", mirrors=(url,), checksums=sums)
+def test_gzip_of_downloaded_file_is_what_was_served(tmp_path, source):
+    url, sums = source
+    data.load(tmp_path / "d", sources=(url,), checksums=sums)
     with gzip.open(tmp_path / "d" / data.TRAIN_LABELS) as f:
         assert len(f.read()) == 8 + 30
 

@@ -70,7 +70,7 @@ def test_the_chiefs_work_moves_twice_and_the_run_ends_exact(
     """Worker 0, the chief, is killed: worker 1 takes over. Worker 0 is
     started again and joins as a worker. Worker 1 is then frozen for
     longer than the timeout: another worker takes over again, and worker
-    1, thawed, finds the newer epoch and exits with one line, having
+    1, thawed, finds the newer generation and exits with one line, having
     applied nothing since (else the parameters would not be the
     one-worker run's bit for bit)."""
     c = cluster
@@ -96,7 +96,7 @@ def test_the_chiefs_work_moves_twice_and_the_run_ends_exact(
     c.wait_for("worker0", r"worker 0: global step \d+, [1-9]\d* gradients "
                           "pushed", timeout=120)
     # 3. The new chief frozen past the timeout; worker 0 takes over, or
-    # worker 2 a timeout later if worker 0's watch read the chief's epoch
+    # worker 2 a timeout later if worker 0's watch read the chief's generation
     # only once it was frozen (a chief not seen to step is judged by
     # --startup_timeout_secs: takeover.Judge).
     with frozen(c, ["worker1"]):

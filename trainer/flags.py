@@ -148,10 +148,10 @@ flags.DEFINE_string("data_dir", _default("data_dir"),
                     "Folder with the four MNIST .gz files (default: "
                     "$MNIST_DATA_DIR, else the project's data/ folder).")
 flags.DEFINE_boolean("download", _default("download"),
-                     "Download missing MNIST files from a mirror.")
+                     "Download missing MNIST files from a public source.")
 flags.DEFINE_string("data_url", _default("data_url"),
-                    "Base URL of a mirror with the four MNIST .gz files "
-                    "(default: public mirrors of the original files).")
+                    "Base URL of a source with the four MNIST .gz files "
+                    "(default: public copies of the original files).")
 
 # --- Logs, evaluation, checkpoints ---
 flags.DEFINE_string("logdir", None,
@@ -298,7 +298,7 @@ def fetch_data() -> None:
     from trainer.learning import data as data_lib
     data_lib.fetch_missing(data_lib.resolve_data_dir(FLAGS.data_dir),
                            FLAGS.download,
-                           data_lib.mirror_list(FLAGS.data_url))
+                           data_lib.source_list(FLAGS.data_url))
 
 
 def config_from_flags() -> TrainConfig:

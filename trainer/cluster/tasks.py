@@ -14,7 +14,7 @@ here and is the same for both:
     task, unless --ps_restarts allows the ps to be started again (the
     workers reconnect, and the chief restores the newest checkpoint, or
     with --ps_mirrors refills it), or, with --ps_mirrors, the ps is not
-    ps 0 (the run goes on without it: trainer/roles/serving.py);
+    ps 0 (the run goes on without it: trainer/roles/without_ps.py);
   * Ctrl-C first asks the chief (whichever worker does the chief's work
     now: `ChiefName`) to save a checkpoint where it is (SIGTERM, which a
     remote task receives as its ssh stdin closing);

@@ -2,7 +2,7 @@
 
 The four gzip-compressed IDX files are read from a data folder: `--data_dir`,
 else the `MNIST_DATA_DIR` environment variable, else the project's `data/`
-folder. Missing files are downloaded from a mirror of the original files
+folder. Missing files are downloaded from a source of the original files
 and checked against the published SHA-256 sums. Every file is validated
 (gzip stream, magic number, counts, image size, label range) and any fault
 is reported as one line that names the file. Batching is in
@@ -32,7 +32,7 @@ TEST_IMAGES = "t10k-images-idx3-ubyte.gz"
 TEST_LABELS = "t10k-labels-idx1-ubyte.gz"
 FILES = (TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
 
-# Published SHA-256 of the original gzip files (as served by the mirrors).
+# Published SHA-256 of the original gzip files (as served by the sources).
 SHA256 = {
     TRAIN_IMAGES:
         "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
@@ -43,18 +43,18 @@ SHA256 = {
     TEST_LABELS:
         "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
 }
-# Mirrors of the original files, tried in order (yann.lecun.com no longer
+# Sources of the original files, tried in order (yann.lecun.com no longer
 # serves them without a login).
-MIRRORS = (
+SOURCES = (
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
 )
 DOWNLOAD_TIMEOUT_SECS = 30
 
 
-def mirror_list(data_url: str | None) -> tuple[str, ...]:
-    """--data_url as a mirror list, or the public mirrors."""
-    return (data_url.rstrip("/") + "/",) if data_url else MIRRORS
+def source_list(data_url: str | None) -> tuple[str, ...]:
+    """--data_url as a source list, or the public sources."""
+    return (data_url.rstrip("/") + "/",) if data_url else SOURCES
 
 IMAGE_SIZE = 28
 NUM_CLASSES = 10
@@ -174,7 +174,7 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def download(name: str, data_dir: pathlib.Path, mirrors=MIRRORS,
+def download(name: str, data_dir: pathlib.Path, sources=SOURCES,
              checksums=None, timeout=DOWNLOAD_TIMEOUT_SECS) -> pathlib.Path:
     """Fetches one file into data_dir atomically and verifies its SHA-256.
 
@@ -185,14 +185,14 @@ def download(name: str, data_dir: pathlib.Path, mirrors=MIRRORS,
     checksums = SHA256 if checksums is None else checksums
     target = data_dir / name
     partial = data_dir / f".{name}.{os.getpid()}.partial"
-    # The folder's own faults are the user's to fix, not a mirror's.
+    # The folder's own faults are the user's to fix, not a source's.
     with edge("--data_dir", data_dir, "give --data_dir a folder this user "
               "can create and write, or copy the MNIST .gz files there"):
         data_dir.mkdir(parents=True, exist_ok=True)
         partial.touch()
     failures = []
-    for mirror in mirrors:
-        url = mirror + name
+    for source in sources:
+        url = source + name
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response, \
                     open(partial, "wb") as out:
@@ -218,7 +218,7 @@ def download(name: str, data_dir: pathlib.Path, mirrors=MIRRORS,
 
 
 def fetch_missing(data_dir: pathlib.Path, allow_download: bool = True,
-                  mirrors=MIRRORS, checksums=None,
+                  sources=SOURCES, checksums=None,
                   names=(TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES,
                          TEST_LABELS)) -> None:
     """Downloads (and checks) those of `names` missing from data_dir, or
@@ -236,25 +236,25 @@ def fetch_missing(data_dir: pathlib.Path, allow_download: bool = True,
                     f"{data_dir / name} is missing and downloading is off; "
                     f"copy the file there or point --data_dir or "
                     f"${ENV_DATA_DIR} at the folder that has it")
-            download(name, data_dir, mirrors, checksums)
+            download(name, data_dir, sources, checksums)
 
 
 def load(data_dir: pathlib.Path, allow_download: bool = True,
-         mirrors=MIRRORS, checksums=None, need_train: bool = True,
+         sources=SOURCES, checksums=None, need_train: bool = True,
          need_test: bool = True) -> Mnist:
     """Reads (and if needed downloads) MNIST from data_dir.
 
     Args:
       data_dir: folder with the four .gz files.
-      allow_download: fetch missing files from `mirrors`.
-      mirrors, checksums: where to download from and the expected SHA-256
+      allow_download: fetch missing files from `sources`.
+      sources, checksums: where to download from and the expected SHA-256
         per file name (tests point these at a local server).
       need_train, need_test: which half to read; the other is left empty.
     """
     data_dir = pathlib.Path(data_dir)
     wanted = ((TRAIN_IMAGES, TRAIN_LABELS) if need_train else ()) + (
         (TEST_IMAGES, TEST_LABELS) if need_test else ())
-    fetch_missing(data_dir, allow_download, mirrors, checksums, wanted)
+    fetch_missing(data_dir, allow_download, sources, checksums, wanted)
     empty_images = np.zeros((0, IMAGE_SIZE, IMAGE_SIZE), np.uint8)
     empty_labels = np.zeros((0,), np.uint8)
     train = (_read_pair(data_dir / TRAIN_IMAGES, data_dir / TRAIN_LABELS)

@@ -19,7 +19,7 @@ from trainer.observe import tracing
 from trainer.roles import deadlines
 from trainer.roles import ending
 from trainer.roles import membership
-from trainer.roles import serving
+from trainer.roles import without_ps
 from trainer.roles import takeover
 from trainer.roles.lifecycle import WorkerRole, poll_until, token_of
 from trainer.saving import checkpoints
@@ -53,7 +53,7 @@ class Chief(WorkerRole):
         writer = self._ready(step, logdir)
         self.graphs.prebuild(self.g)
         with self._membership_watch(writer) as watch, \
-                self._round_deadlines(), serving.chief_watch(self):
+                self._round_deadlines(), without_ps.chief_watch(self):
             try:
                 self._wait_for_workers(self.config.min_workers)
             except RunFailed as e:
@@ -111,9 +111,9 @@ class Chief(WorkerRole):
                                      self.config)
         try:
             with takeover.ChiefBeat(
-                    lambda: beats.beat(self.epoch),
+                    lambda: beats.beat(self.generation),
                     self.taking_over and self.taking_over.claim,
-                    ours=lambda: self.epoch is not None):
+                    ours=lambda: self.generation is not None):
                 super().run()
         finally:
             beats.close()
@@ -158,7 +158,7 @@ class Chief(WorkerRole):
 
     def serve_again(self) -> None:
         """The ps done without answers again: halt at the next step
-        boundary, then connect with it (serving.py). Any thread."""
+        boundary, then connect with it (without_ps.py). Any thread."""
         self._serve_again = True
         ending.halt_loop(self, self.session)
 
@@ -221,7 +221,7 @@ class Chief(WorkerRole):
             self._check_still_chief(start)
             if self._serve_again:
                 self._serve_again = False
-                raise serving.ServeAgain(
+                raise without_ps.ServeAgain(
                     f"ps {self.g.ps_down} answers again: halted at step "
                     f"{start} to take it back")
             members = int(self.session.run(self.g.chief.roster).sum())
@@ -245,7 +245,7 @@ class Chief(WorkerRole):
         """Raises RunFailed if another worker claimed the chief's role
         (this one was cut off, frozen or starved meanwhile)."""
         index = takeover.deposed_by(self.session, self.g.lock,
-                                    self.epoch)
+                                    self.generation)
         if index is not None:
             at = "" if step is None else f" (at step {step} here)"
             raise RunFailed(
@@ -271,21 +271,22 @@ class Chief(WorkerRole):
         initializes or restores; then asks every worker in. Returns the
         global step training starts from."""
         ops = self.g.chief
-        if self.epoch is not None:  # reconnecting: still the chief?
+        if self.generation is not None:  # reconnecting: still the chief?
             self._check_still_chief()
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
-            self.epoch, lost, self._gone = (claim.epoch, claim.lost,
+            self.generation, lost, self._gone = (claim.generation, claim.lost,
                                             claim.previous)
         else:
-            self.epoch, lost = takeover.claim(
+            self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
-        self.fixed[ops.epoch] = self.epoch   # fed to the loop and absorb
+        # fed to the loop and absorb
+        self.fixed[ops.generation] = self.generation
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
-        # them): serving.fill_what_was_lost says how.
-        if not lost and serving.fill_what_was_lost(self.session, ops,
+        # them): without_ps.fill_what_was_lost says how.
+        if not lost and without_ps.fill_what_was_lost(self.session, ops,
                                                    self.take_back):
             step = int(self.session.run(self.g.handles.global_step))
             self.counted.kept(int(self.session.run(ops.record_from)))

@@ -51,13 +51,13 @@ def end_failed_run(chief, reason: str) -> None:
     chief is connected and beating, so every ps answers; still, a chief
     deposed meanwhile must not end its successor's run, so it sends STOP
     to the workers and tells every ps task to exit only once ps 0 says
-    the lock still holds its epoch. Each message is bounded by
+    the lock still holds its generation. Each message is bounded by
     timing.END_SECS. Failures where the ps tasks do not answer cannot
     tell them anything; a worker that takes over may still save such a
     run."""
     ops = chief.g.chief
     try:
-        if takeover.deposed_by(chief.session, chief.g.lock, chief.epoch,
+        if takeover.deposed_by(chief.session, chief.g.lock, chief.generation,
                                _bounded()) is not None:
             return
         chief.session.run(ops.stop_op, {ops.stop_reason_in: reason},
@@ -128,12 +128,12 @@ def halt_loop(chief, session, reason: str | None = None) -> None:
     end its successor's loop. The lock may be lost: the wait is bounded.
     reason: what to log, or None to log nothing."""
     ops = chief.g.chief
-    if chief.epoch is None:   # not claimed yet: the loop has not begun
+    if chief.generation is None:   # not claimed yet: the loop has not begun
         if reason:
             logging.warning("%s before training began: stopping", reason)
         return
     try:
-        at = int(session.run(ops.halt_op, {ops.epoch: chief.epoch},
+        at = int(session.run(ops.halt_op, {ops.generation: chief.generation},
                              options=tf.compat.v1.RunOptions(timeout_in_ms=(
                                  int(chief.config.worker_timeout_secs
                                      * 1000)))))

@@ -83,10 +83,10 @@ class ChiefOps:
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
     halt_op: tf.Tensor                # ends the loop at a step boundary
-                                      # (feed epoch); int64 []: the global
+                                      # (feed generation); int64 []: the global
                                       # step then, or NOT_HALTED
     end_op: tf.Operation              # the final step to every worker
-    epoch: tf.Tensor                  # feed int64 []: this chief's epoch
+    generation: tf.Tensor             # feed int64 []: this chief's
     saver: tf.compat.v1.train.Saver
     checkpoint_shapes: dict           # checkpoint key -> shape
     eval_outputs: dict                # {"loss", "accuracy"}: float32 []
@@ -149,8 +149,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 chief=k if as_chief else 0)
             lock = chief_lock.ChiefLock(
                 shared.shard_devices[0],
-                takeover.epoch_copy_device(config, ps_down))
-            epoch = lock.loop_epoch
+                takeover.generation_copy_device(config, ps_down))
+            generation = lock.loop_generation
             trainset, start_token, num_steps = _loop_inputs(
                 config, k, num_train_examples)
             parts = step_lib.StepParts(
@@ -162,7 +162,8 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                                            config.backup_workers,
                                            config.slices, turns,
                                            config.micro_batch_rows(),
-                                           chief=k, lock=lock, epoch=epoch)
+                                           chief=k, lock=lock,
+                                           generation=generation)
                 update = optim.ScheduledUpdate(config, train_steps)
                 mirrors = (_mirrors(config, num_ps, parts, train_steps)
                            if ps_down is None else None)
@@ -171,7 +172,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                 step_body = step_lib.WorkerStep(parts)
             loop_outputs = step_lib.training_loop(
                 shared, step_body, start_token, num_steps, train_steps,
-                as_chief, config.min_workers, lambda: lock.current(epoch))
+                as_chief, config.min_workers, lambda: lock.current(generation))
             chief = (_chief_ops(config, num_ps, flat, rule, coord,
                                 update.optimizer, num_test_examples,
                                 mirrors) if as_chief else None)
@@ -293,7 +294,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     eval_outputs, testset_init = replica_lib.evaluation(
         config, flat, values, num_test_examples)
     return ChiefOps(
-        epoch=rule.epoch,
+        generation=rule.generation,
         init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(transient),

@@ -18,7 +18,7 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
-from trainer.roles import serving
+from trainer.roles import without_ps
 from trainer.roles import standby
 from trainer.roles import takeover
 from trainer.roles import timing
@@ -70,7 +70,7 @@ class WorkerRole(abc.ABC):
         # The step of the latest token a worker other than the chief took
         # (None before its first, and on the chief), named when it fails.
         self.at_step = None
-        self.epoch = None          # the chief's epoch, once claimed
+        self.generation = None          # the chief's generation, once claimed
         self._taking_over = None   # why this worker takes over the chief
         self._ended_at = None      # the last step, if the run ended unseen
         # A Warmed (session and loop made beforehand): the first connect
@@ -89,7 +89,7 @@ class WorkerRole(abc.ABC):
             task, config, lambda ps_down: worker_graph.build_worker(
                 config, task, *sizes, self.train_steps, as_chief, ps_down),
             lambda g, ps_down: standby.warm(
-                config, task, server, g, serving.ps_tasks(task, ps_down)),
+                config, task, server, g, without_ps.ps_tasks(task, ps_down)),
             ahead=as_chief)
 
     @abc.abstractmethod
@@ -153,16 +153,16 @@ class WorkerRole(abc.ABC):
                 close_within(self._warmed.session)
             self.g, self._warmed = self.graphs.switch(self.g, down)
         wait_for_ps(self.task, timeout,
-                    only=serving.ps_tasks(self.task, down))
+                    only=without_ps.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
         self._warm_loop = warmed
-        # On the chief: its epoch, set at its claim (_claim_and_start).
+        # On the chief: its generation, set at its claim (_claim_and_start).
         self.fixed = warmed.loop.fixed if warmed else (
-            {self.g.chief.epoch: None} if self.g.chief else {})
+            {self.g.chief.generation: None} if self.g.chief else {})
         self.session = warmed.session if warmed else tf.compat.v1.Session(
             self.server.target, graph=self.g.graph,
             config=devices.session_config(
-                self.config, self.task, serving.ps_tasks(self.task, down)))
+                self.config, self.task, without_ps.ps_tasks(self.task, down)))
         self.g.trainset.initialize(self.session, self.mnist.train_images,
                                    self.mnist.train_labels)
         if self.g.chief:
@@ -190,8 +190,8 @@ class WorkerRole(abc.ABC):
             self.close_session()
             self.last_progress = time.monotonic()
             return
-        if again or isinstance(error, serving.ServeAgain) or (
-                serving.changed(error)):
+        if again or isinstance(error, without_ps.ServeAgain) or (
+                without_ps.changed(error)):
             logging.warning("%s; connecting again",
                             again or error_summary(error))
             self.close_session(timing.QUICK_CLOSE_SECS)
@@ -232,7 +232,7 @@ class WorkerRole(abc.ABC):
         """
         feeds = [self.g.start_token, self.g.num_steps]
         warmed, self._warm_loop = self._warm_loop, None
-        fixed = self.fixed   # the chief's loop writes only in its epoch
+        fixed = self.fixed   # the chief's loop writes only in its generation
         if warmed:   # made and placed beforehand on this session
             loop = warmed.loop
         else:
@@ -260,7 +260,7 @@ class WorkerRole(abc.ABC):
 
     def reconnect(self, reason: str) -> None:
         """Ends the blocked run: run() then connects again (the chief, on
-        a ps gone down: serving.py)."""
+        a ps gone down: without_ps.py)."""
         with self._lock:
             self._reconnect_reason = reason
         self.close_session()

@@ -40,7 +40,7 @@ def run(config: TrainConfig, task: Task) -> None:
         checkpoints.prepare_logdir(config.logdir)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
     mnist = data_lib.load(data_dir, config.download,
-                          data_lib.mirror_list(config.data_url),
+                          data_lib.source_list(config.data_url),
                           need_test=task.is_chief)
     if task.is_chief:  # before the data line: a rerun's first line
         settings.check_logdir_settings(
@@ -117,7 +117,7 @@ class SpareChief:
             if _first_in_line(worker):
                 break
         test = data_lib.load(self._data_dir, config.download,
-                             data_lib.mirror_list(config.data_url),
+                             data_lib.source_list(config.data_url),
                              need_train=False)
         mnist = data_lib.Mnist(worker.mnist.train_images,
                                worker.mnist.train_labels, test.test_images,

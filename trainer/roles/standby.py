@@ -3,7 +3,7 @@ ps goes down or comes back, since a starved host takes long to build a
 graph and to place it, and the run would stand still as long.
 
 Which graph a task uses at each connect is the choice of
-trainer/roles/serving.py; `Graphs.choose` asks it.
+trainer/roles/without_ps.py; `Graphs.choose` asks it.
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from trainer.cluster import devices
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles import timing
 from trainer.roles.background import ThreadCall, close_within
-from trainer.roles.serving import Ps0Reader, chief_choice, worker_choice
+from trainer.roles.without_ps import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
 
 
@@ -165,7 +165,7 @@ class Warmed:
     """A session opened beforehand on a worker's graph (`warm`), with the
     loop's callable made and placed on every task. On a chief's, the
     loop's fixed feed (`loop.fixed`, shared with `absorb`) holds the
-    chief's epoch, set once the role is claimed."""
+    chief's generation, set once the role is claimed."""
 
     session: tf.compat.v1.Session
     loop: Callable
@@ -175,7 +175,7 @@ class Warmed:
 def warm(config, task, server, graph,
          ps_tasks: list[int] | None = None) -> Warmed | None:
     """A session on a worker's graph (a spare chief's, or one without a
-    ps: trainer/roles/serving.py) whose loop is made and placed on every
+    ps: trainer/roles/without_ps.py) whose loop is made and placed on every
     task by a run of 0 steps (it only reads), and, on a chief's, its
     start prepared (`_prepare_start`); or None if that failed (a ps lost
     meanwhile): the connect then does it. ps_tasks: those the graph uses
@@ -183,13 +183,14 @@ def warm(config, task, server, graph,
     session = tf.compat.v1.Session(
         server.target, graph=graph.graph,
         config=devices.session_config(config, task, ps_tasks))
-    # A chief's loop fed no chief's epoch writes nothing.
-    epoch = {graph.chief.epoch: -1} if graph.chief else {}
+    # A chief's loop fed no chief's generation writes nothing.
+    generation = {graph.chief.generation: -1} if graph.chief else {}
     try:
         loop = make_callable(session, graph.loop_outputs,
-                             [graph.start_token, graph.num_steps], epoch)
+                             [graph.start_token, graph.num_steps], generation)
         loop(np.zeros(4, np.int64), 0)   # step 0's token
-        absorb = _prepare_start(session, graph, epoch) if graph.chief else None
+        absorb = (_prepare_start(session, graph, generation)
+                  if graph.chief else None)
     except tf.errors.OpError as e:
         logging.info("a loop was not placed beforehand: %s",
                      error_summary(e))
@@ -198,7 +199,7 @@ def warm(config, task, server, graph,
     return Warmed(session, loop, absorb)
 
 
-def _prepare_start(session, graph, epoch: dict):
+def _prepare_start(session, graph, generation: dict):
     """Runs the reads of the chief's start (chief.py _claim_and_start)
     once, since a session keeps each run's placement, which a starved
     host takes seconds to make; returns the callable of its absorb (made,
@@ -213,4 +214,4 @@ def _prepare_start(session, graph, epoch: dict):
         except tf.errors.FailedPreconditionError:
             pass
     return make_callable(session, {"roster": graph.chief.absorb_op}, (),
-                         epoch)
+                         generation)

@@ -2,7 +2,7 @@
 the watch by which the other workers find a lost chief.
 
 The chief's process beats: every timing.BEAT_SECS it adds one to the
-beats of its record on ps 0 (`sync/chief`: epoch, worker index, beats;
+beats of its record on ps 0 (`sync/chief`: generation, worker index, beats;
 see trainer/sync/chief_lock.py). Every other worker watches that record
 beside its training runs, and calls the chief lost once the silence rule
 (liveness.lost) says so of its beats.
@@ -10,7 +10,7 @@ beside its training runs, and calls the chief lost once the silence rule
 Then the worker with the lowest index among the others in the roster
 claims the chief's role at once; the next one a further
 --worker_timeout_secs later, in case the first is lost too; and so on. A
-claim made meanwhile by another worker shows as a new epoch, which
+claim made meanwhile by another worker shows as a new generation, which
 resets the watch. The claim comes first, with a beat of its own (`Claim`),
 and then the worker ends its blocked run and builds the chief's side in
 its process (trainer/roles/run.py), which can take long on a slow host:
@@ -32,7 +32,7 @@ from trainer.roles import timing
 from trainer.roles.background import (BackgroundThread, OwnSession,
                                       close_within)
 from trainer.sync import mirrors
-from trainer.sync.chief_lock import BEATS, EPOCH, INDEX, ChiefLock
+from trainer.sync.chief_lock import BEATS, GENERATION, INDEX, ChiefLock
 
 
 
@@ -56,18 +56,20 @@ class BeatSession:
         graph = tf.Graph()
         with graph.as_default():
             lock = ChiefLock(devices.ps_device(0))
-            self._epoch = tf.compat.v1.placeholder(tf.int64, [], "epoch")
-            self._beat = lock.beat_in(self._epoch)
+            self._generation = tf.compat.v1.placeholder(tf.int64, [],
+                                                        "generation")
+            self._beat = lock.beat_in(self._generation)
         self._session = OwnSession(lambda: tf.compat.v1.Session(
             target, graph=graph,
             config=devices.session_config(config, task, [0])),
             # A beat later than this is as good as none to the others.
             int(config.worker_timeout_secs * 1000))
 
-    def beat(self, epoch: int) -> bool:
+    def beat(self, generation: int) -> bool:
         """Whether the beat landed; raises tf.errors.OpError if ps 0 does
         not answer."""
-        return bool(self._session.run(self._beat, {self._epoch: epoch}))
+        return bool(self._session.run(self._beat,
+                                      {self._generation: generation}))
 
     def close(self) -> None:
         self._session.close()
@@ -76,18 +78,18 @@ class BeatSession:
 class Claim:
     """A worker's claim of the chief's role, made before the worker builds
     the chief's graph, with a beat of its own until `handed_over()` (once
-    the chief's BeatSession has landed a beat: ChiefBeat). epoch, lost: as
+    the chief's BeatSession has landed a beat: ChiefBeat). generation, lost: as
     `claim` returns them; previous: the worker index of the chief it
     replaces. ps_down: the ps the worker's graph does without
-    (trainer/roles/serving.py), or None."""
+    (trainer/roles/without_ps.py), or None."""
 
     def __init__(self, target: str, task, config, index: int,
                  ps_down: int | None = None):
         self._session, self.lock = lock_session(
             target, task, config,
-            epoch_copy_device(config, ps_down))
+            generation_copy_device(config, ps_down))
         self.previous = int(self._session.run(self.lock.recorded)[INDEX])
-        self.epoch, self.lost = claim(self._session, self.lock, index,
+        self.generation, self.lost = claim(self._session, self.lock, index,
                                       config.worker_timeout_secs)
         self._beat = ChiefBeat(lambda: self._session.run(self.lock.beat))
         self._beat.start()
@@ -101,8 +103,8 @@ class Claim:
 def lock_session(target: str, task, config, copy_device: str | None):
     """(a session, the ChiefLock): a graph of the lock alone, for a worker
     that claims or asks about the chief's role outside its own graph.
-    copy_device: where the epoch's copy is (epoch_copy_device), or None
-    for a session that only reads; the session uses ps 0 and that ps
+    copy_device: where the generation's copy is (generation_copy_device),
+    or None for a session that only reads; the session uses ps 0 and that ps
     only, so that a ps done without does not hold it up."""
     graph = tf.Graph()
     with graph.as_default():
@@ -113,30 +115,31 @@ def lock_session(target: str, task, config, copy_device: str | None):
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
-    """Makes worker `index` the chief: takes the epoch out of the lock and
-    puts back the next one. Returns (this chief's epoch, lost), lost if a
+    """Makes worker `index` the chief: takes the generation out of the lock and
+    puts back the next one. Returns (this chief's generation, lost), lost if a
     claim found the lock empty for `wait_secs`: a chief was killed inside
     a write, which may be half done, so the newest checkpoint must be
     restored. A claim on a fresh ps 0 (the run's first, or after ps 0
-    was started again) finds no record and no epoch, waits for none, and
-    goes on from the epoch's copy where there is one."""
+    was started again) finds no record and no generation, waits for none, and
+    goes on from the generation's copy where there is one."""
     previous, lost = 0, False
     if not session.run(lock.is_recorded):
-        previous = int(session.run(lock.last_epoch))
+        previous = int(session.run(lock.last_generation))
     else:
         options = tf.compat.v1.RunOptions(
             timeout_in_ms=int(wait_secs * 1000))
         try:
             previous = int(session.run(lock.take, options=options))
         except tf.errors.DeadlineExceededError:
-            previous, lost = int(session.run(lock.recorded)[EPOCH]), True
-    epoch = previous + 1
-    session.run(lock.put, {lock.epoch_in: epoch, lock.index_in: index})
-    return epoch, lost
+            previous, lost = int(session.run(lock.recorded)[GENERATION]), True
+    generation = previous + 1
+    session.run(lock.put, {lock.generation_in: generation,
+                           lock.index_in: index})
+    return generation, lost
 
 
-def deposed_by(session, lock, epoch: int, options=None) -> int | None:
-    """The worker that claimed the chief's role after `epoch`, or None:
+def deposed_by(session, lock, generation: int, options=None) -> int | None:
+    """The worker that claimed the chief's role after `generation`, or None:
     a chief so deposed applied nothing since (trainer/sync/chief_lock.py).
     A fresh ps 0 (no record yet) has no other chief. options: RunOptions
     of the read, or None."""
@@ -144,7 +147,7 @@ def deposed_by(session, lock, epoch: int, options=None) -> int | None:
         recorded = session.run(lock.recorded, options=options)
     except tf.errors.FailedPreconditionError:
         return None
-    return None if recorded[EPOCH] == epoch else int(recorded[INDEX])
+    return None if recorded[GENERATION] == generation else int(recorded[INDEX])
 
 
 class ChiefBeat(BackgroundThread):
@@ -194,8 +197,8 @@ class Judge:
     timeout: float                      # --worker_timeout_secs
     refuses: Callable[[int], bool]      # worker k's port refuses now
     starting: float = 0.0               # --startup_timeout_secs
-    _seen: tuple | None = None          # (epoch, beats) last seen
-    _start: tuple | None = None         # (epoch, step) at its first reading
+    _seen: tuple | None = None     # (generation, beats) last seen
+    _start: tuple | None = None    # (generation, step) at its first reading
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
@@ -207,7 +210,7 @@ class Judge:
 
     def update(self, record, roster, now: float, read_secs: float = 0.0,
                step: int | None = None) -> str | None:
-        """record: int64 [3] (epoch, index, beats); roster: bool [N];
+        """record: int64 [3] (generation, index, beats); roster: bool [N];
         read_secs: how long the reading took; step: the global step
         (None: unknown). Returns why to take over now, or None."""
         if read_secs > self.timeout / 2:
@@ -215,7 +218,7 @@ class Judge:
             # beats could not land either, so the silence is not its own.
             self.forget()
         chief = int(record[INDEX])
-        seen = (int(record[EPOCH]), int(record[BEATS]))
+        seen = (int(record[GENERATION]), int(record[BEATS]))
         self._note_start(seen[0], step)
         if seen != self._seen or chief == self.me:
             self._seen, self._since, self._lost_at = seen, now, None
@@ -232,19 +235,19 @@ class Judge:
             return f"worker {chief} left: {self._why}"
         return None
 
-    def _note_start(self, epoch: int, step: int | None) -> None:
-        """Keeps (epoch, the step at its first reading), the step None
+    def _note_start(self, generation: int, step: int | None) -> None:
+        """Keeps (generation, the step at its first reading), the step None
         once it has moved: the chief has started."""
         if step is None:
             return
-        if self._start is None or self._start[0] != epoch:
-            self._start = (epoch, step)
+        if self._start is None or self._start[0] != generation:
+            self._start = (generation, step)
         elif step != self._start[1]:
-            self._start = (epoch, None)
+            self._start = (generation, None)
 
     def _limit(self) -> tuple:
         """(the silence after which the chief is lost, its flag). A chief
-        that has taken no step since this worker first read its epoch is
+        that has taken no step since this worker first read its generation is
         still starting: its first runs on fresh sessions have held its
         beat back for longer than --worker_timeout_secs on a starved host
         (docs/nemesis.md), so it is given --startup_timeout_secs. A port
@@ -293,8 +296,8 @@ class ChiefWatch(BackgroundThread):
         return False
 
 
-def epoch_copy_device(config, ps_down: int | None = None) -> str | None:
-    """Where the chief's epoch has a copy: with --ps_mirrors, where ps 0's
+def generation_copy_device(config, ps_down: int | None = None) -> str | None:
+    """Where the chief's generation has a copy: with --ps_mirrors, where ps 0's
     other state has its copies, unless that ps is down."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
             and ps_down != mirrors.PS0_COPIES else None)
@@ -324,6 +327,6 @@ def acting_chief(target: str, task, config) -> int | None:
             then = session.run(lock.recorded, options=options)
     except tf.errors.OpError:
         return None
-    if then[EPOCH] != first[EPOCH] or then[BEATS] == first[BEATS]:
+    if then[GENERATION] != first[GENERATION] or then[BEATS] == first[BEATS]:
         return None
     return int(then[INDEX])

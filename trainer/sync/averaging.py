@@ -18,7 +18,7 @@ I6. A worker alive and reachable is taken back in: a push from outside
     the roster, or a JOINED, puts it in the next plan; one cut off for
     longer than --worker_timeout_secs joins again once ps 0 answers.
 I7. At most one chief acts: every write here happens only while ps 0's
-    lock holds this chief's epoch (`guarded`, trainer/sync/chief_lock.py).
+    lock holds this chief's generation (`guarded`, trainer/sync/chief_lock.py).
 
 For global step t the chief runs rounds until one completes:
 
@@ -82,14 +82,15 @@ class Averaging:
     def __init__(self, shared: state_lib.SharedState, global_batch: int,
                  backup_workers: int, slices: str, pull_turns,
                  micro_batch: int = 0, chief: int = 0, lock=None,
-                 epoch: tf.Tensor | None = None):
+                 generation: tf.Tensor | None = None):
         """micro_batch: slices are whole micro-batches of this many rows
         (--micro_batch; 0: of single rows). chief: the worker that runs
-        the rule. lock, epoch: the ChiefLock and this chief's epoch (int64
-        [] on ps 0) that guard every write (`guarded`); without a lock
-        (the protocol's unit tests) the writes are not guarded."""
+        the rule. lock, generation: the ChiefLock and this chief's
+        generation (int64 [] on ps 0) that guard every write
+        (`guarded`); without a lock (the protocol's unit tests) the
+        writes are not guarded."""
         self.shared, self.global_batch = shared, global_batch
-        self.chief, self.lock, self.epoch = chief, lock, epoch
+        self.chief, self.lock, self.generation = chief, lock, generation
         self.unit = micro_batch or 1
         self.backup_workers, self.slices = backup_workers, slices
         self.pull_turns = pull_turns
@@ -97,12 +98,12 @@ class Averaging:
         self.pace = pace_lib.Pace(shared, slices, backup_workers, chief)
 
     def guarded(self, write, refused, after=()):
-        """write() while the lock holds this chief's epoch, else
+        """write() while the lock holds this chief's generation, else
         refused() (trainer/sync/chief_lock.py), the lock taken after
         `after`; write() without a lock."""
         if self.lock is None:
             return write()
-        return self.lock.guarded(self.epoch, write, refused, after)
+        return self.lock.guarded(self.generation, write, refused, after)
 
     def plan(self, step: tf.Tensor) -> tuple:
         """Starts a round of step `step` (int64 []): slices for the roster,
@@ -180,7 +181,7 @@ class Averaging:
     def _take_event(self, step, round_) -> tuple:
         """One event off sync/events, acted on. Returns (fresh push for
         this round: bool [], a member of the round left unfinished: bool
-        []). A chief whose epoch is over puts the event back for the
+        []). A chief whose generation is over puts the event back for the
         newer chief and ends its round."""
         event = self.shared.events.dequeue()
 

@@ -17,10 +17,10 @@ written. Where the two differ, a write was cut
 short on ps 1. So a ps 0 started again is refilled where ps 1's copies are
 whole; its protocol state starts afresh (the workers join again), and so
 do its counts of dropped gradients and of steps by worker, as after a
-restore. The chief's epoch has a copy too (sync/chief_lock.py).
+restore. The chief's generation has a copy too (sync/chief_lock.py).
 
 A ps other than ps 0 killed inside a write may leave it half done on the
-survivors; the chief lock tells (its epoch was never put back), and the
+survivors; the chief lock tells (its generation was never put back), and the
 chief restores the newest checkpoint then, as without mirrors; so it does
 for a ps 0 lost inside a write, which the copies on ps 1 tell.
 """
@@ -187,7 +187,7 @@ class Refill:
         if fills:
             session.run(fills)
             # Copies whose primary lived may be behind: none were written
-            # while a ps was done without (trainer/roles/serving.py).
+            # while a ps was done without (trainer/roles/without_ps.py).
             session.run(self.copy_all)
             where = sorted({self.device[m] for m in missing
                             if m in self.device})
@@ -197,7 +197,7 @@ class Refill:
 
     def take_back(self, session, device: str) -> None:
         """Sets every variable on `device` from its partner, whatever it
-        holds: a ps that was done without (trainer/roles/serving.py) may
+        holds: a ps that was done without (trainer/roles/without_ps.py) may
         have been cut off, not restarted, and hold the step it was cut
         off at. Then every copy is set from its primary."""
         session.run([self.fill[name] for name, on in self.device.items()

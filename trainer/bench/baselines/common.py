@@ -17,7 +17,7 @@ from trainer.observe import results
 def load(config: TrainConfig, need_test: bool):
     mnist = data_lib.load(data_lib.resolve_data_dir(config.data_dir),
                           config.download,
-                          data_lib.mirror_list(config.data_url),
+                          data_lib.source_list(config.data_url),
                           need_test=need_test)
     return mnist, config.resolved_train_steps(len(mnist.train_labels))
 

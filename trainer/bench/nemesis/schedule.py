@@ -14,7 +14,7 @@ worker's fault but never of the chief's only one (so a schedule of one
 fault has none on a ps): a kill is undone by a restart (a ps lost for
 good ends the run until it is back: its shards exist nowhere else), but
 with --ps_mirrors (`lost_for_good`) a ps other than ps 0 may stay down as
-a worker may (the run goes on without it: trainer/roles/serving.py);
+a worker may (the run goes on without it: trainer/roles/without_ps.py);
 term is not drawn.
 """
 

@@ -1,4 +1,4 @@
-"""Doing without a ps (--ps_mirrors, trainer/roles/serving.py): the graph
+"""Doing without a ps (--ps_mirrors, trainer/roles/without_ps.py): the graph
 that serves a ps's shards from their copies finds every variable the
 run's graph holds, a push from a graph built otherwise than the chief's
 is refused, and the chief's watch on the ps ports."""
@@ -14,7 +14,7 @@ from tests.sync_protocol import SHARDS, Protocol, cluster  # noqa: F401
 from trainer.cluster.spec import make_cluster, make_task
 from trainer.common.config import TrainConfig
 from trainer.roles import graph as graph_lib
-from trainer.roles import serving
+from trainer.roles import without_ps
 from trainer.sync import state
 
 
@@ -60,7 +60,7 @@ def test_a_push_from_a_graph_built_without_another_ps_is_refused(cluster):
     grads = [np.ones(n, np.float32) for n in SHARDS]
     with pytest.raises(tf.errors.InvalidArgumentError) as refused:
         p.push(1, token, grads, np.ones(3, np.float32))
-    assert serving.changed(refused.value)
+    assert without_ps.changed(refused.value)
     assert p.run(queued) == 0
     p.run(with_every_ps)
     p.push(1, token, grads, np.ones(3, np.float32))
@@ -78,11 +78,11 @@ def test_the_ps_watch_sees_a_ps_go_down_and_come_back():
     seen = []
     try:
         # Every ps serving: ps 1 refuses (nothing listens on its port).
-        watch = serving.PsWatch(task, None, seen.append, lambda: None)
+        watch = without_ps.PsWatch(task, None, seen.append, lambda: None)
         assert watch.run_once() is True      # one look is not enough
         assert watch.run_once() is False and seen == [1]
         # Doing without ps 1: nothing until it answers.
-        watch = serving.PsWatch(task, 1, None, lambda: seen.append("back"))
+        watch = without_ps.PsWatch(task, 1, None, lambda: seen.append("back"))
         assert watch.run_once() is True
         with socket.socket() as back:
             back.bind(("localhost", ports[1]))
