@@ -38,13 +38,13 @@ def free_ports(host: str, count: int) -> list[int]:
     random.shuffle(candidates)
     ports = []
     for port in candidates:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        trial = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            probe.bind((host if host != "localhost" else "127.0.0.1", port))
+            trial.bind((host if host != "localhost" else "127.0.0.1", port))
         except OSError:
             continue
         finally:
-            probe.close()
+            trial.close()
         ports.append(port)
         if len(ports) == count:
             return ports

@@ -30,7 +30,7 @@ def answer(address: str, timeout: float, what: str = "address") -> str:
 
 def taken(port: int) -> bool:
     """Whether `port` is taken on this machine (another process holds
-    it), by the probe check_free makes."""
+    it), by the trial bind check_free makes."""
     try:
         _bind(port)
     except OSError:
@@ -55,9 +55,9 @@ def _bind(port: int) -> None:
     """Binds `port` on every address for a moment, as a server does
     (SO_REUSEADDR: a port some socket left in TIME_WAIT is free); raises
     the OSError of a port taken."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    trial = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind(("", port))
+        trial.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        trial.bind(("", port))
     finally:
-        probe.close()
+        trial.close()

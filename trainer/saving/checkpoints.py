@@ -99,9 +99,9 @@ def prepare_logdir(logdir: str) -> None:
     with edge("--logdir", logdir, "give --logdir a folder this user can "
               "create and write"):
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        check = path / f".write-check-{os.getpid()}"
+        check.write_bytes(b"")
+        check.unlink()
 
 
 def check_logdir_fits_model(config: TrainConfig) -> None:
