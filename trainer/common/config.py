@@ -209,15 +209,12 @@ def validate(config: TrainConfig, num_workers: int,
         raise UserError(CHUNK_KB_RETIRED)
     if num_ps is not None:
         check_ps_mirrors(config.ps_mirrors, num_ps)
-    if config.model not in MODELS:
-        raise UserError(f"--model={config.model} is unknown; choose one of "
-                        f"{', '.join(MODELS)}")
-    if config.optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer={config.optimizer} is unknown; choose "
-                        f"one of {', '.join(OPTIMIZERS)}")
-    if config.lr_schedule not in LR_SCHEDULES:
-        raise UserError(f"--lr_schedule={config.lr_schedule} is unknown; "
-                        f"choose one of {', '.join(LR_SCHEDULES)}")
+    for name, choices in (("model", MODELS), ("optimizer", OPTIMIZERS),
+                          ("lr_schedule", LR_SCHEDULES),
+                          ("wire_dtype", WIRE_DTYPES), ("slices", SLICES)):
+        if getattr(config, name) not in choices:
+            raise UserError(f"--{name}={getattr(config, name)} is unknown; "
+                            f"choose one of {', '.join(choices)}")
     if config.train_steps is not None and config.epochs is not None:
         raise UserError("give either --train_steps or --epochs, not both")
     for name in ("hidden_units", "batch_size", "train_steps", "log_every",
@@ -231,9 +228,6 @@ def validate(config: TrainConfig, num_workers: int,
                  "worker_timeout_secs"):
         _positive(name, getattr(config, name), float)
     _check_trace_steps(config.trace_steps)
-    if config.wire_dtype not in WIRE_DTYPES:
-        raise UserError(f"--wire_dtype={config.wire_dtype} is unknown; "
-                        f"choose one of {', '.join(WIRE_DTYPES)}")
     if not 0 <= config.momentum < 1:
         raise UserError(f"--momentum={config.momentum} must be in [0, 1)")
     if not config.logdir:
@@ -248,9 +242,6 @@ def validate(config: TrainConfig, num_workers: int,
         raise UserError(
             f"--min_workers={config.min_workers} must be at least 1 and at "
             f"most the {num_workers} declared worker(s)")
-    if config.slices not in SLICES:
-        raise UserError(f"--slices={config.slices} is unknown; choose one "
-                        f"of {', '.join(SLICES)}")
     if config.ordered_pulls and config.backup_workers:
         raise UserError(
             "--ordered_pulls and --backup_workers do not mix: a late worker "
