@@ -116,3 +116,28 @@ def test_equal_slices_stay_until_the_speeds_predict_a_clear_gain():
     for cut in (graph_prefer(equal, balanced, weight, 0.2),
                 slices.prefer_np(equal, balanced, weight, 0.2)):
         np.testing.assert_array_equal(cut, balanced)
+
+
+def test_at_most_keeps_the_chief_then_the_first_members():
+    """Fewer micro-batches than members: the chief and the first others
+    keep a slice each, the rest sit the round out; graph and NumPy agree
+    on every roster of 4 and every count."""
+    import itertools
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        members_in = tf.compat.v1.placeholder(tf.bool, [4])
+        count_in = tf.compat.v1.placeholder(tf.int32, [])
+        chief_ops = {c: slices.at_most(members_in, count_in, c)
+                     for c in (0, 2)}
+        for bits in itertools.product([False, True], repeat=4):
+            for count, chief in itertools.product(range(1, 6), (0, 2)):
+                kept = session.run(chief_ops[chief], {
+                    members_in: bits, count_in: count})
+                np.testing.assert_array_equal(
+                    kept, slices.at_most_np(bits, count, chief))
+                members = np.asarray(bits)
+                assert not (kept & ~members).any()
+                assert kept.sum() == min(count, members.sum())
+                if members[chief]:
+                    assert kept[chief]
+    assert list(slices.at_most_np([1, 1, 1, 1], 2, chief=2)) == [
+        True, False, True, False]

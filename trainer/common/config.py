@@ -188,8 +188,15 @@ def _check_micro_batch(config: TrainConfig, num_workers: int) -> None:
             "wire, which the exact sums (--deterministic, the default) "
             "cannot: add --nodeterministic to sum floats, or drop "
             "--wire_dtype")
-    # Fewer micro-batches than workers still train: a worker given no
-    # micro-batch pushes an empty slice's zeros (trainer/sync/slices.py).
+    # Fewer micro-batches than workers still train: the workers beyond
+    # them sit each round out (slices.at_most); but the rounds must not
+    # end on backup workers alone.
+    if config.batch_size // m <= config.backup_workers:
+        raise UserError(
+            f"--batch_size={config.batch_size} holds "
+            f"{config.batch_size // m} micro-batch(es) of {m}, no more than "
+            f"--backup_workers={config.backup_workers}: a round could end "
+            "with none averaged; lower --micro_batch or --backup_workers")
 
 
 def check_ps_mirrors(ps_mirrors: bool, num_ps: int) -> None:

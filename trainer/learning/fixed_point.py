@@ -17,12 +17,14 @@ micro-batch m; M = ceil(B / m) micro-batches a step):
 - cap_bits c = 31 - bit_length(M): each micro-batch's element is at most
   2^c in magnitude, so M of them, and so any partial sum of them in any
   order, stay below 2^31: int32 never overflows;
-- scale_bits s = c - ROW_BITS - ceil(log2 m): an element is round(g * 2^s)
-  of the micro-batch's gradient sum g, clipped to +-2^(c - s), which is
-  2^ROW_BITS per row of the micro-batch or more;
-- so the mean gradient's resolution, 2^-s / B, lies between
-  2^(ROW_BITS - 31) and 2^(ROW_BITS - 29) whatever B and m
-  (docs/how-it-works.md gives a table).
+- scale_bits s = c - max(ROW_BITS + ceil(log2 m), CLIP_BITS): an element
+  is round(g * 2^s) of the micro-batch's gradient sum g, clipped to
+  +-2^(c - s), which is 2^ROW_BITS per row of the micro-batch or more,
+  and 2^CLIP_BITS at least (one example's gradient can reach that of a
+  few);
+- so the mean gradient's resolution, 2^-s / B, is at most 2^-23, and
+  between 2^-27 and 2^-25 from m = 8 up (docs/how-it-works.md gives a
+  table).
 
 A gradient element beyond the clip means the run has diverged or is
 about to; its loss (the statistics travel as floats) says so. Clipping
@@ -39,6 +41,7 @@ import tensorflow as tf
 DTYPE = tf.int32
 SUM_BITS = 31          # int32's magnitude
 ROW_BITS = 4           # the clip per row of a micro-batch, 2^ROW_BITS
+CLIP_BITS = 7          # and per micro-batch, at least 2^CLIP_BITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +72,7 @@ def scheme(batch_size: int, micro_batch: int) -> Scheme:
     micro-batches of `micro_batch` (the last may be shorter)."""
     count = -(-batch_size // micro_batch)
     cap = SUM_BITS - count.bit_length()
-    scale = cap - ROW_BITS - (micro_batch - 1).bit_length()
+    scale = cap - max(ROW_BITS + (micro_batch - 1).bit_length(), CLIP_BITS)
     return Scheme(scale, cap)
 
 

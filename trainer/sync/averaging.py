@@ -120,7 +120,11 @@ class Averaging:
         with tf.device(self.device):
             roster, speed = s.roster.read_value(), s.speed.read_value()
             out = self.pace.benched(roster)
-            members = tf.logical_and(roster, tf.logical_not(out))
+            # With fewer micro-batches than members, the last members sit
+            # the round out: an empty slice would be timed as a member's.
+            members = slices_lib.at_most(
+                tf.logical_and(roster, tf.logical_not(out)),
+                self.global_batch // self.unit, self.chief)
             weight = slices_lib.weights(speed, members, self.slices)
             batch, unit = self.global_batch, self.unit
             cut = slices_lib.prefer(

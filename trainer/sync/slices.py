@@ -66,6 +66,27 @@ def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
         tf.range(tf.size(secs)), chief))
 
 
+def at_most(members: tf.Tensor, count: int, chief: int = 0) -> tf.Tensor:
+    """bool [N]: `members` (bool [N]) kept to the first `count`, the
+    chief first, then in worker order; the others sit the round out."""
+    index = tf.range(tf.size(members))
+    is_chief = tf.logical_and(members, tf.equal(index, chief))
+    others = tf.logical_and(members, tf.logical_not(is_chief))
+    room = count - tf.reduce_sum(tf.cast(is_chief, tf.int32))
+    kept = tf.logical_and(others, tf.cumsum(tf.cast(others, tf.int32))
+                          <= room)
+    return tf.logical_or(is_chief, kept)
+
+
+def at_most_np(members, count: int, chief: int = 0) -> np.ndarray:
+    """`at_most` in NumPy (bool [N]), for tests and docs."""
+    members = np.asarray(members, bool)
+    others = members & (np.arange(len(members)) != chief)
+    room = count - int(members[chief])
+    return (members & (np.arange(len(members)) == chief)) | (
+        others & (np.cumsum(others) <= room))
+
+
 def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
     """[first, end) per worker (int64 [N, 2]) of a global batch cut in
     proportion to `weight` (float32 [N]; 0: not a member, empty slice),
