@@ -317,3 +317,59 @@ def test_the_launcher_restarts_a_failed_worker_and_ctrl_c_saves(tmp_path,
     assert saved, output[-3000:]
     assert 0 <= int(saved.group(2)) - int(saved.group(1)) <= 5
     assert (logdir / f"model.ckpt-{saved.group(2)}.index").exists()
+
+
+def test_the_launcher_restarts_a_failed_ps_and_the_run_ends_exact(
+        tmp_path, data, reference):
+    """--ps_restarts=1: ps 0 killed mid-run is started again at its
+    address; the workers reconnect, the chief restores the newest
+    checkpoint, and the steps redone compute the same bits, so the run
+    ends with the 1-worker run's parameters and slots."""
+    import subprocess
+    import sys
+    import threading
+    logdir = tmp_path / "logs"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
+         "--ps_restarts=1", f"--logdir={logdir}", f"--data_dir={data}",
+         "--nodownload", *FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout),
+                     daemon=True).start()
+
+    def wait_for(pattern, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, "".join(lines)):
+            assert time.monotonic() < deadline, "".join(lines)[-3000:]
+            assert process.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        return re.findall(pattern, "".join(lines))
+
+    try:
+        wait_for(r"saved checkpoint \S+model\.ckpt-(1\d\d|[2-5]\d\d)\n")
+        workers = [int(wait_for(rf"started worker{k} \(pid (\d+)\)")[0])
+                   for k in (0, 1)]
+        # The workers wait while ps 0 dies and comes back: the mlp would
+        # otherwise end before the kill.
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            ps = int(wait_for(r"started ps0 \(pid (\d+)\)")[0])
+            os.killpg(ps, signal.SIGKILL)
+            wait_for(r"ps0 exited with status -9; starting it again \(1 of "
+                     r"--ps_restarts=1\)")
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = "".join(lines)
+    restored = re.findall(r"restored \S+model\.ckpt-(\d+) \(global step",
+                          output)
+    assert restored and int(restored[-1]) >= 100, output[-3000:]
+    assert_exact(logdir, reference)
