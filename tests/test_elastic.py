@@ -18,7 +18,8 @@ import time
 import pytest
 
 from tests import helpers
-from tests.test_cluster_runs import final_parameters, max_relative_difference
+from tests.test_cluster_runs import (differing, final_parameters,
+                                     max_relative_difference)
 
 pytestmark = pytest.mark.cluster
 STEPS = 600
@@ -88,9 +89,7 @@ def assert_exact(logdir, reference, tolerance=0.0) -> dict:
     difference = max_relative_difference(reference, parameters)
     print(f"largest relative difference from one worker: {difference:.3g}")
     if tolerance == 0:
-        bits = {name: final.tobytes() for name, final in parameters.items()}
-        assert bits == {name: value.tobytes()
-                        for name, value in reference.items()}
+        assert not differing(reference, parameters)
     assert difference <= tolerance
     return results
 
@@ -268,50 +267,65 @@ def test_sigterm_to_the_chief_saves_where_it_is_then_resumes(
     assert_exact(tmp_path / "logs", reference)
 
 
+class Launched:
+    """`python -m trainer.launch` with `args`, its output read as it
+    comes; `wait_for` bounds every wait, `close` kills what is left."""
+
+    def __init__(self, *args: str):
+        import subprocess
+        import sys
+        import threading
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "trainer.launch", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=helpers.python_env(), cwd=helpers.REPO,
+            start_new_session=True)
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(
+            self.process.stdout), daemon=True).start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern, count=1, timeout=120) -> list:
+        """The matches of `pattern` once there are `count` of them."""
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, self.output)) < count:
+            assert time.monotonic() < deadline, self.output[-3000:]
+            assert self.process.poll() is None, self.output[-3000:]
+            time.sleep(0.05)
+        return re.findall(pattern, self.output)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
 def test_the_launcher_restarts_a_failed_worker_and_ctrl_c_saves(tmp_path,
                                                                  data):
     """--worker_restarts=1: worker 1 killed, started again, joins again;
     then Ctrl-C makes the chief save where it is before every task stops."""
-    import subprocess
-    import sys
-    import threading
     logdir = tmp_path / "logs"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
-         "--worker_restarts=1", f"--logdir={logdir}", f"--data_dir={data}",
-         "--nodownload", "--model=mlp", "--train_steps=100000000",
-         "--log_every=20"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stdout),
-                     daemon=True).start()
-
-    def wait_for(pattern, count=1, timeout=120):
-        deadline = time.monotonic() + timeout
-        while len(re.findall(pattern, "".join(lines))) < count:
-            assert time.monotonic() < deadline, "".join(lines)[-3000:]
-            assert process.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.1)
-        return re.findall(pattern, "".join(lines))
-
+    run = Launched("--num_workers=2", "--worker_restarts=1",
+                   f"--logdir={logdir}", f"--data_dir={data}", "--nodownload",
+                   "--model=mlp", "--train_steps=100000000", "--log_every=20")
     try:
-        wait_for(r"worker 1 \(localhost:\d+\) joined at step")
-        pid = int(wait_for(r"started worker1 \(pid (\d+)\)")[0])
+        run.wait_for(r"worker 1 \(localhost:\d+\) joined at step")
+        pid = int(run.wait_for(r"started worker1 \(pid (\d+)\)")[0])
         os.killpg(pid, signal.SIGKILL)
-        wait_for(r"worker1 exited with status -9; starting it again \(1 "
-                 r"of --worker_restarts=1\)")
+        run.wait_for(r"worker1 exited with status -9; starting it again \(1 "
+                     r"of --worker_restarts=1\)")
         # Whether the chief saw it leave first depends on how fast the
         # new process came up on the same port; it joins again either way.
-        wait_for(r"worker 1 \(localhost:\d+\) joined at step", count=2)
-        process.send_signal(signal.SIGINT)
-        assert process.wait(
+        run.wait_for(r"worker 1 \(localhost:\d+\) joined at step", count=2)
+        run.process.send_signal(signal.SIGINT)
+        assert run.process.wait(
             timeout=helpers.processes.CHIEF_STOP_SECS + 15) == 130
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    output = "".join(lines)
+        run.close()
+    output = run.output
     saved = re.search(r"the chief was sent SIGTERM at global step (\d+).*"
                       r"saved a checkpoint at step (\d+)", output, re.S)
     assert saved, output[-3000:]
@@ -325,50 +339,29 @@ def test_the_launcher_restarts_a_failed_ps_and_the_run_ends_exact(
     address; the workers reconnect, the chief restores the newest
     checkpoint, and the steps redone compute the same bits, so the run
     ends with the 1-worker run's parameters and slots."""
-    import subprocess
-    import sys
-    import threading
     logdir = tmp_path / "logs"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trainer.launch", "--num_workers=2",
-         "--ps_restarts=1", f"--logdir={logdir}", f"--data_dir={data}",
-         "--nodownload", *FLAGS],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=helpers.python_env(), cwd=helpers.REPO, start_new_session=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(process.stdout),
-                     daemon=True).start()
-
-    def wait_for(pattern, timeout=120):
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, "".join(lines)):
-            assert time.monotonic() < deadline, "".join(lines)[-3000:]
-            assert process.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.05)
-        return re.findall(pattern, "".join(lines))
-
+    run = Launched("--num_workers=2", "--ps_restarts=1", f"--logdir={logdir}",
+                   f"--data_dir={data}", "--nodownload", *FLAGS)
     try:
-        wait_for(r"saved checkpoint \S+model\.ckpt-(1\d\d|[2-5]\d\d)\n")
-        workers = [int(wait_for(rf"started worker{k} \(pid (\d+)\)")[0])
+        run.wait_for(r"saved checkpoint \S+model\.ckpt-(1\d\d|[2-5]\d\d)\n")
+        workers = [int(run.wait_for(rf"started worker{k} \(pid (\d+)\)")[0])
                    for k in (0, 1)]
         # The workers wait while ps 0 dies and comes back: the mlp would
         # otherwise end before the kill.
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         try:
-            ps = int(wait_for(r"started ps0 \(pid (\d+)\)")[0])
+            ps = int(run.wait_for(r"started ps0 \(pid (\d+)\)")[0])
             os.killpg(ps, signal.SIGKILL)
-            wait_for(r"ps0 exited with status -9; starting it again \(1 of "
-                     r"--ps_restarts=1\)")
+            run.wait_for(r"ps0 exited with status -9; starting it again "
+                         r"\(1 of --ps_restarts=1\)")
         finally:
             for pid in workers:
                 os.kill(pid, signal.SIGCONT)
-        assert process.wait(timeout=300) == 0, "".join(lines)[-3000:]
+        assert run.process.wait(timeout=300) == 0, run.output[-3000:]
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    output = "".join(lines)
+        run.close()
+    output = run.output
     restored = re.findall(r"restored \S+model\.ckpt-(\d+) \(global step",
                           output)
     assert restored and int(restored[-1]) >= 100, output[-3000:]

@@ -16,7 +16,8 @@ import pytest
 
 from tests import helpers
 from tests.test_cluster_runs import (assert_all_gone, final_parameters,
-                                     max_relative_difference, pids_started)
+                                     differing, max_relative_difference,
+                                     pids_started)
 
 pytestmark = pytest.mark.cluster
 STEPS = 300
@@ -69,8 +70,7 @@ def assert_same_as_reference(logdir, reference):
     assert results["global_step"] == STEPS
     # Bit for bit (the default fixed-point sums): who computed which slice
     # changes nothing.
-    differ = [name for name in parameters
-              if values[name].tobytes() != parameters[name].tobytes()]
+    differ = differing(parameters, values)
     assert not differ, (differ, max_relative_difference(parameters, values))
     assert results["final_test_accuracy"] == accuracy
 
