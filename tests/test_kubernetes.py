@@ -6,6 +6,7 @@ import signal
 import pytest
 
 from tests import helpers
+from trainer.cluster import spec
 from trainer.cluster import kubernetes
 from trainer.common.errors import UserError
 
@@ -29,7 +30,7 @@ def test_every_pod_derives_the_same_cluster_and_its_role():
     assert [t.is_chief for t in tasks] == [False, True, False, False]
     assert tasks[1].source == kubernetes.SOURCE
     assert tasks[1].describe() == (
-        "worker 0 (mnist-worker-0.mnist-worker:2222), the chief")
+        "worker 0 (mnist-worker-0.mnist-worker:2222)" + spec.CHIEF_UNLESS)
 
 
 def test_names_with_hyphens_ports_and_hostname():

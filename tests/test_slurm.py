@@ -17,6 +17,7 @@ import pytest
 
 from tests import helpers
 from tests import slurm_harness
+from trainer.cluster import spec
 from trainer.bench import slurm_steps
 from trainer.cluster import slurm
 from trainer.common.errors import UserError
@@ -255,7 +256,7 @@ def test_trainer_under_real_srun(slurm_cluster, tmp_path):
     assert results["global_step"] == 30
     assert (results["num_ps"], results["num_workers"]) == (1, 2)
     roles = [f"ps 0 (localhost:{base})",
-             f"worker 0 (localhost:{base + 1}), the chief",
+             f"worker 0 (localhost:{base + 1})" + spec.CHIEF_UNLESS,
              f"worker 1 (localhost:{base + 2})"]
     for task, role in enumerate(roles):
         first = task_lines(done.stdout, task)[0]

@@ -21,6 +21,7 @@ import pytest
 from tests import helpers
 from tests import slurm_harness
 from tests import slurm_nodes
+from trainer.cluster import spec
 from trainer.bench.simhosts import hosts as hosts_lib
 from trainer.common.errors import UserError
 from trainer.observe import progress_line
@@ -91,7 +92,7 @@ def test_srun_trains_across_three_nodes(nodes, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:]
     results = json.loads((tmp_path / "logs" / "results.json").read_text())
     assert results["global_step"] == 30
-    roles = ["ps 0 (n1:8888)", "worker 0 (n2:8888), the chief",
+    roles = ["ps 0 (n1:8888)", "worker 0 (n2:8888)" + spec.CHIEF_UNLESS,
              "worker 1 (n3:8888)"]
     for task, role in enumerate(roles):
         first = labelled(done.stdout, task)[0]
@@ -192,9 +193,9 @@ SHORT_RUN = ["--model=softmax", "--train_steps=40", "--batch_size=32",
 
 
 @pytest.mark.parametrize("job_name, roles", [
-    ("mnist-ps", ["ps 0 (n1:8888)", "worker 0 (n2:8888), the chief",
+    ("mnist-ps", ["ps 0 (n1:8888)", "worker 0 (n2:8888)" + spec.CHIEF_UNLESS,
                   "worker 1 (n3:8888)"]),
-    ("mnist-ps-2x2", ["ps 0 (n1:9000)", "worker 0 (n1:9001), the chief",
+    ("mnist-ps-2x2", ["ps 0 (n1:9000)", "worker 0 (n1:9001)" + spec.CHIEF_UNLESS,
                       "worker 1 (n2:9000)", "worker 2 (n2:9001)"]),
 ])
 def test_documented_sbatch_script(nodes, tmp_path, job_name, roles):

@@ -52,6 +52,9 @@ class Cluster:
         return f"{job} {index} ({self.address(job, index)})"
 
 
+CHIEF_UNLESS = ", the chief unless another worker does its work"
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """The cluster plus the role of this process in it."""
@@ -70,8 +73,10 @@ class Task:
         return self.cluster.address(self.job_name, self.task_index)
 
     def describe(self) -> str:
+        """'worker 0 (host:2223), the chief unless ...': worker 0 does the
+        chief's work unless another worker took it over."""
         text = self.cluster.describe(self.job_name, self.task_index)
-        return text + (", the chief" if self.is_chief else "")
+        return text + (CHIEF_UNLESS if self.is_chief else "")
 
 
 def split_address(address: str, where: str) -> tuple[str, int]:
