@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from trainer.roles.states import Kind
 from trainer.roles import takeover
 from trainer.roles import timing
 from trainer.roles.background import ThreadCall
@@ -122,15 +123,15 @@ def test_a_chief_gone_after_the_last_step_is_not_replaced():
     """Seed 507 of the nemesis: a worker whose link came back after the
     run's end saw the chief's port refuse (it had exited) and took over
     at step 300 of 300, then waited for ps tasks that had exited."""
-    for step, took_over, ended in ((299, 1, []), (300, 0, [300])):
-        lost, seen = [], []
+    for step, kind in ((299, Kind.CHIEF_LOST), (300, Kind.ENDED_AWAY)):
+        posted = []
         watch = takeover.ChiefWatch(
             lambda s=step: ([1, 0, 7], ROSTER, s), judge(1, refused={0}),
-            lost.append, 300, seen.append)
+            posted.append, 300)
         assert watch.run_once() is None   # the beat seen once
         time.sleep(timing.REFUSED_AFTER_SECS + 0.1)
         assert watch.run_once() is False
-        assert (len(lost), seen) == (took_over, ended)
+        assert [e.kind for e in posted] == [kind]
 
 
 def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):

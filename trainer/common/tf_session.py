@@ -15,17 +15,12 @@ def error_summary(error: Exception) -> str:
     return type(error).__name__
 
 
-def make_callable(session, fetches: dict, feeds=(), fixed=None):
-    """A C++ callable for `fetches` (no per-call Python feed handling).
-
-    Feeds are int64 scalars given positionally; `fixed` ({tensor: int64
-    value}) is fed its values as they are at each call (a caller may set
-    them later, also through the callable's `fixed`). The result is a
-    dict like `fetches`.
-    """
-    fixed = {} if fixed is None else fixed   # the caller's own dict
+def make_callable(session, fetches: dict, feeds=()):
+    """A C++ callable for `fetches` (no per-call Python feed handling):
+    (*values) -> a dict like `fetches`, each value an int64 scalar or
+    array fed to `feeds`, in order."""
     options = config_pb2.CallableOptions()
-    for tensor in [*feeds, *fixed]:
+    for tensor in feeds:
         options.feed.append(tensor.name)
     names = {key: tensor.name for key, tensor in fetches.items()}
     for name in names.values():
@@ -33,9 +28,7 @@ def make_callable(session, fetches: dict, feeds=(), fixed=None):
     call = session._make_callable_from_options(options)
 
     def run(*args):
-        values = call(*[np.asarray(a, np.int64)
-                        for a in (*args, *fixed.values())])
-        return dict(zip(names, values))
+        return dict(zip(names, call(*[np.asarray(a, np.int64)
+                                       for a in args])))
 
-    run.fixed = fixed
     return run

@@ -4,17 +4,16 @@ The step loop runs inside the graph, so while a session.run blocks no
 Python code of the training thread runs. What must happen meanwhile
 (the chief's membership watch, its round deadlines, every worker's
 watchdog) runs on a daemon thread: a BackgroundThread, used as a context
-manager around the training runs. A single call that must not block its
-caller runs on a ThreadCall.
+manager around the training runs. Such a thread watches and posts
+events to its task's state machine (trainer/roles/states.py); it never
+changes the task's role. A single call that must not block its caller
+runs on a ThreadCall.
 """
 
 import abc
 import threading
 from typing import Callable
 
-import tensorflow as tf
-
-from trainer.roles import timing
 
 
 
@@ -98,39 +97,3 @@ class ThreadCall:
         if "error" in self._box:
             raise self._box["error"]
         return self._box["value"]
-
-
-def close_within(session, secs: float = timing.QUICK_CLOSE_SECS) -> bool:
-    """Closes a session on a thread of its own, waiting at most `secs`:
-    with a peer cut off or gone, a close can block as long as TCP or gRPC
-    retries it. Whether it ended in time (its error, if any, is dropped:
-    the peer may be gone already)."""
-    return ThreadCall(session.close, "session-close").done(secs)
-
-
-class OwnSession:
-    """A session on a small graph of our own, apart from the training
-    session: a session builds one new graph at a time (TensorFlow's
-    MasterSession holds its mutex while it prunes and places one), so a
-    short read or write there can wait seconds behind a big first run on
-    a starved host. Each run waits at most `timeout_ms`; after a failed
-    run the session is opened again, since a ps it uses may have been
-    started again, which an old session cannot use."""
-
-    def __init__(self, open_session: Callable, timeout_ms: int):
-        """open_session() -> a new tf.compat.v1.Session."""
-        self._open = open_session
-        self._session = open_session()
-        self._options = tf.compat.v1.RunOptions(timeout_in_ms=timeout_ms)
-
-    def run(self, fetches, feeds=None):
-        """session.run(fetches, feeds); raises tf.errors.OpError."""
-        try:
-            return self._session.run(fetches, feeds, options=self._options)
-        except tf.errors.OpError:
-            close_within(self._session)   # its peer may be gone
-            self._session = self._open()
-            raise
-
-    def close(self) -> None:
-        close_within(self._session)

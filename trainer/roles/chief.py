@@ -20,6 +20,7 @@ from trainer.roles import deadlines
 from trainer.roles import ending
 from trainer.roles import membership
 from trainer.roles import without_ps
+from trainer.roles import states
 from trainer.roles import takeover
 from trainer.roles.lifecycle import WorkerRole, poll_until, token_of
 from trainer.saving import checkpoints
@@ -40,7 +41,6 @@ class Chief(WorkerRole):
         self.halt_reason = None       # why training ends early (halt)
         self._first_round = 0         # the round counter at our start
         self._gone = None             # the chief we took over from
-        self._serve_again = False     # the ps done without is back
         self._graph_written = False   # into the summaries, at our start
         self._absorb_call = None      # made once a connect (`_absorb`)
         self.broken_steps = []        # steps not averaging the batch once
@@ -101,12 +101,13 @@ class Chief(WorkerRole):
         ending.shut_down_ps(self)
         self.close_session()
 
-    def run(self) -> None:
-        # Our beat runs from our first claim to our end, across connects
-        # (a ps lost or back), from a session of its own; a takeover's
-        # claim beats until ours lands. A start slow on a starved host (a
-        # restore, the summary writer, the callables) must not look like
-        # a lost chief.
+    @contextlib.contextmanager
+    def beating(self):
+        """The chief's beat, from its claim to its end, across reconnects
+        (a ps lost or back), from a session of its own; a takeover's claim
+        beats until ours lands. A start slow on a starved host (a restore,
+        the summary writer, the callables) must not look like a lost
+        chief. Entered by the loop (run.py) as this role begins."""
         beats = takeover.BeatSession(self.server.target, self.task,
                                      self.config)
         try:
@@ -114,7 +115,7 @@ class Chief(WorkerRole):
                     lambda: beats.beat(self.generation),
                     self.taking_over and self.taking_over.claim,
                     ours=lambda: self.generation is not None):
-                super().run()
+                yield
         finally:
             beats.close()
 
@@ -156,12 +157,6 @@ class Chief(WorkerRole):
             on_unreachable=lambda step, who: ending.on_ps0_silent(
                 self, step, who), chief=self.k, kept=(kept, keep))
 
-    def serve_again(self) -> None:
-        """The ps done without answers again: halt at the next step
-        boundary, then connect with it (without_ps.py). Any thread."""
-        self._serve_again = True
-        ending.halt_loop(self, self.session)
-
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
         ops = self.g.chief
@@ -192,8 +187,8 @@ class Chief(WorkerRole):
         warmed = self._warm_loop
         if self._absorb_call is None:   # once a connect
             self._absorb_call = (warmed and warmed.absorb) or self.callable(
-                {"roster": self.g.chief.absorb_op}, fixed=self.fixed)
-        return self._absorb_call()["roster"]
+                {"roster": self.g.chief.absorb_op}, [self.g.chief.generation])
+        return self._absorb_call(self.generation)["roster"]
 
     def halt(self, reason: str) -> None:
         """Ends training at the next step boundary with a checkpoint, then
@@ -219,11 +214,8 @@ class Chief(WorkerRole):
                     return out
                 start = int(out["next_token"][0])
             self._check_still_chief(start)
-            if self._serve_again:
-                self._serve_again = False
-                raise without_ps.ServeAgain(
-                    f"ps {self.g.ps_down} answers again: halted at step "
-                    f"{start} to take it back")
+            if self.machine.pending():   # halted for it (PS_UP)
+                raise states.Interrupted(f"halted at step {start}")
             members = int(self.session.run(self.g.chief.roster).sum())
             reason = self.halt_reason or (
                 f"{members} worker(s) left, fewer than --min_workers="
@@ -281,8 +273,6 @@ class Chief(WorkerRole):
             self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 self.config.worker_timeout_secs)
-        # fed to the loop and absorb
-        self.fixed[ops.generation] = self.generation
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
         # them): without_ps.fill_what_was_lost says how.

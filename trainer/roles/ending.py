@@ -9,6 +9,7 @@ import tensorflow as tf
 from trainer.common.tf_session import error_summary
 from trainer.roles import takeover
 from trainer.roles import timing
+from trainer.roles.states import Event, Kind
 from trainer.sync import coordination
 
 
@@ -115,14 +116,15 @@ def on_ps0_silent(chief, step: int | None, who: str) -> None:
     # Alone, nothing can go on without this chief: even when the stop
     # cannot be sent, the ps tasks must exit.
     shut_down_ps(chief, failed=True)
-    chief.give_up(f"{who} for {timeout} (--worker_timeout_secs){at}; "
-                  "stopped; start every task again with the same flags "
-                  "to continue from the last checkpoint")
+    chief.machine.post(Event(Kind.STALLED, (
+        f"{who} for {timeout} (--worker_timeout_secs){at}; stopped; start "
+        "every task again with the same flags to continue from the last "
+        "checkpoint")))
 
 
 def halt_loop(chief, session, reason: str | None = None) -> None:
     """Sets the halt: the chief's loop ends at the next step boundary
-    (Chief.halt, Chief.serve_again; any thread). Refused where another
+    (Chief.halt, or a posted PS_UP; any thread). Refused where another
     worker claimed the role since this chief's claim (chief_lock.py):
     the halt is shared, and a chief deposed while out of reach must not
     end its successor's loop. The lock may be lost: the wait is bounded.

@@ -1,9 +1,7 @@
-"""What the chief and the other workers share: a session that survives the
-loss of a ps task, fast callables, and ending a blocked run (from the
-watchdog, trainer/roles/worker.py, or the chief's threads).
-
-A worker that loses the ps tasks (one died or restarted) reconnects:
-`WorkerRole.run` says how, step by step.
+"""What the chief and the other workers share: the work of their states
+(trainer/roles/states.py: `train`, `reconnect`), the one way to end it
+while it blocks (`interrupt`), a session that survives the loss of a ps
+task, and fast callables.
 """
 
 import abc
@@ -15,24 +13,21 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.observe import tracing
+from trainer.roles import ending
 from trainer.roles import without_ps
 from trainer.roles import standby
-from trainer.roles import takeover
 from trainer.roles import timing
-from trainer.roles.background import close_within
+from trainer.roles.states import Event, How, Kind, Machine
+from trainer.roles import sessions
+from trainer.roles.sessions import close_within
 from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.learning.data import Mnist
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary, make_callable
-
-
-class RunEnded(Exception):
-    """The run ended (args[0]: its last step) while this worker was away."""
 
 
 # Errors a task sees when a ps task died or restarted (connection refused,
@@ -44,40 +39,34 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
-    The watchdog thread may end a blocked session.run by closing the
-    session (`give_up`); the reason it gives is read by the training
-    thread when that run fails. Both go through `_lock`."""
+    Its threads post to `machine`, whose loop runs its work; the session
+    is swapped under `_lock`, since `interrupt` closes it from a thread."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
-                 mnist: Mnist, as_chief: bool = False,
+                 mnist: Mnist, machine: Machine, as_chief: bool = False,
                  graph: worker_graph.WorkerGraph | None = None,
                  warmed: standby.Warmed | None = None):
         """graph: built beforehand (a spare chief's), or None to build;
         warmed: a session on it for the first connect, or None."""
         self.config, self.task, self.server = config, task, server
-        self.mnist = mnist
+        self.mnist, self.machine = mnist, machine
+        machine.attach(self.interrupt)
         self.k = task.task_index
         self.train_steps = config.resolved_train_steps(
             len(mnist.train_labels))
         self.session = None
         self.pushed = 0           # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
-        self._stop_reason = None
-        self._outage_secs = None   # set by the watchdog: join again
-        self._reconnect_reason = None  # set by `reconnect`
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
         # The step of the latest token a worker other than the chief took
         # (None before its first, and on the chief), named when it fails.
         self.at_step = None
         self.generation = None          # the chief's generation, once claimed
-        self._taking_over = None   # why this worker takes over the chief
-        self._ended_at = None      # the last step, if the run ended unseen
         # A Warmed (session and loop made beforehand): the first connect
         # takes it; a later connect (a new session) makes its own loop.
         self._warmed = warmed
         self._warm_loop = None
-        self.fixed = {}   # the fixed feeds of this session's callables
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
@@ -98,41 +87,67 @@ class WorkerRole(abc.ABC):
         other workers' own part (trainer/roles/chief.py,
         trainer/roles/worker.py)."""
 
-    def run(self) -> None:
-        """Connects and trains to the end, reconnecting after a lost ps:
-        1. a session.run fails with one of PS_LOST (a ps died, restarted
-           or is cut off); anything else, a failure after the watchdog
-           closed the session, or no step succeeding for
-           --startup_timeout_secs ends the task (`_check_reconnectable`);
-        2. the broken session is closed; `_connect` waits until every ps
-           accepts connections, opens a new session, loads the data;
-        3. `run_connected` starts over: the chief restores the newest
-           checkpoint, since a restarted ps lost the variables, and asks
-           every worker to join again (chief.py `_initialize_or_restore`,
-           coordination's start_op); another worker waits for the chief's
-           handshake and joins (worker.py).
-        """
-        while True:
-            try:
-                try:
-                    self._connect()
-                    # Saver.save and .restore build nothing here, but look
-                    # at the default graph to decide between graph and
-                    # eager mode.
-                    with self.g.graph.as_default():
-                        self.run_connected()
-                    return
-                except RunFailed:
-                    raise
-                except Exception as e:  # noqa: BLE001 (re-raised below)
-                    self._check_reconnectable(e)
-            except RunFailed as e:
-                raise RunFailed(self.with_step(str(e))) from None
-            except RunEnded as e:
-                logging.warning(
-                    "the run ended at step %d, its last, while this "
-                    "worker was away; nothing is left to do", e.args[0])
-                return
+    def train(self) -> Event:
+        """The work of WORKER and CHIEF (states.py): connects, trains to the
+        end. Returns DONE, or the event of what ended it (`_event_of`)."""
+        try:
+            self._connect()
+            # Saver.save and .restore build nothing here, but look at the
+            # default graph to decide between graph and eager mode.
+            with self.g.graph.as_default():
+                self.run_connected()
+            return Event(Kind.DONE, "trained to the end")
+        except Exception as e:  # noqa: BLE001 (the loop decides)
+            return self._event_of(e)
+
+    def _event_of(self, error: Exception) -> Event:
+        """What a failed run means. An event a thread posted meanwhile
+        (its interrupt made the run fail) is taken in its place by
+        Machine.outcome, unless this one is a RunFailed."""
+        if isinstance(error, RunFailed):
+            return Event(Kind.FAILURE, str(error), error=error)
+        if without_ps.changed(error):
+            return Event(Kind.SERVING_CHANGED, error_summary(error))
+        if not isinstance(error, PS_LOST):
+            return Event(Kind.FAILURE, error_summary(error), error=error)
+        first_line = error_summary(error)
+        if time.monotonic() - self.last_progress > (
+                self.config.startup_timeout_secs):
+            reason = (f"no training step succeeded for "
+                      f"{self.config.startup_timeout_secs:.0f} s "
+                      f"(--startup_timeout_secs); last error: {first_line}")
+            return Event(Kind.FAILURE, reason, error=RunFailed(reason))
+        return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
+
+    def reconnect(self, cause: Event) -> Event:
+        """The work of RECONNECTING: closes the broken session (the next
+        `train` connects again). After ps 0's outage (PS_BACK) the chief
+        counted this worker out: it joins again as a restarted one does,
+        and its silence is measured anew. Otherwise the run failed, and
+        the close's clean-up may wait on a ps that is gone: it is quick."""
+        if cause.kind == Kind.PS_BACK:
+            self.last_progress = time.monotonic()
+            self.close_session()
+        else:
+            self.close_session(timing.QUICK_CLOSE_SECS)
+        return Event(Kind.RECONNECTED, "the old session is closed")
+
+    def interrupt(self, event: Event, how: How) -> None:
+        """The one way to end this role's blocked work, for an event
+        posted to its Machine (any thread). Closing the session cancels
+        the run the loop's thread is blocked in; the chief's halt ends
+        its loop at the next step boundary instead (ending.halt_loop)."""
+        if how == How.AT_BOUNDARY:
+            ending.halt_loop(self, self.session)
+            return
+        if how == How.NOW_OR_EXIT:
+            # With ps 0 cut off, the close or the cancelled run can block
+            # as long as TCP retries the silent peer; then leaving is the
+            # only way to end the process.
+            threading.Thread(target=self._exit_if_still_running,
+                             args=(self.with_step(event.reason),),
+                             daemon=True, name="give-up-deadline").start()
+        self.close_session()
 
     def with_step(self, reason: str) -> str:
         """`reason`, naming the step this worker was at (not the chief's)."""
@@ -156,60 +171,15 @@ class WorkerRole(abc.ABC):
                     only=without_ps.ps_tasks(self.task, down))
         warmed, self._warmed = self._warmed, None
         self._warm_loop = warmed
-        # On the chief: its generation, set at its claim (_claim_and_start).
-        self.fixed = warmed.loop.fixed if warmed else (
-            {self.g.chief.generation: None} if self.g.chief else {})
-        self.session = warmed.session if warmed else tf.compat.v1.Session(
-            self.server.target, graph=self.g.graph,
-            config=devices.session_config(
-                self.config, self.task, without_ps.ps_tasks(self.task, down)))
+        self.session = warmed.session if warmed else sessions.open_session(
+            self.server.target, self.g.graph, self.config, self.task,
+            without_ps.ps_tasks(self.task, down))
         self.g.trainset.initialize(self.session, self.mnist.train_images,
                                    self.mnist.train_labels)
         if self.g.chief:
             self.g.chief.testset_init(self.session, self.mnist.test_images,
                                       self.mnist.test_labels)
         self.graphs.connected()
-
-    def _check_reconnectable(self, error: Exception) -> None:
-        """Re-raises `error` unless it is a lost ps worth reconnecting
-        after; closes the broken session either way."""
-        with self._lock:
-            reason, outage = self._stop_reason, self._outage_secs
-            again, self._reconnect_reason = self._reconnect_reason, None
-            self._outage_secs = None
-        if self._taking_over:  # the chief watch closed the session
-            raise takeover.TakeOver(*self._taking_over) from None
-        if self._ended_at is not None:  # so did it here
-            raise RunEnded(self._ended_at) from None
-        if reason:  # the watchdog closed the session
-            raise RunFailed(reason) from None
-        if outage is not None:  # closed by the watchdog: join again
-            logging.warning(
-                "worker %d: ps 0 answers again after %.0f s; joining again "
-                "(the chief counted us out meanwhile)", self.k, outage)
-            self.close_session()
-            self.last_progress = time.monotonic()
-            return
-        if again or isinstance(error, without_ps.ServeAgain) or (
-                without_ps.changed(error)):
-            logging.warning("%s; connecting again",
-                            again or error_summary(error))
-            self.close_session(timing.QUICK_CLOSE_SECS)
-            return
-        if not isinstance(error, PS_LOST):
-            raise error
-        # The run failed: nothing of it is left to cancel, and the close's
-        # clean-up may wait on a ps that is gone.
-        self.close_session(timing.QUICK_CLOSE_SECS)
-        first_line = error_summary(error)
-        if time.monotonic() - self.last_progress > (
-                self.config.startup_timeout_secs):
-            raise RunFailed(
-                f"no training step succeeded for "
-                f"{self.config.startup_timeout_secs:.0f} s "
-                f"(--startup_timeout_secs); last error: {first_line}"
-                ) from None
-        logging.warning("lost the ps tasks (%s); reconnecting", first_line)
 
     def close_session(self,
                       deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
@@ -222,79 +192,35 @@ class WorkerRole(abc.ABC):
                             "(a peer cut off or gone); going on without it",
                             deadline)
 
-    def callable(self, fetches: dict, feeds=(), fixed=None):
-        return make_callable(self.session, fetches, feeds, fixed)
+    def callable(self, fetches: dict, feeds=()):
+        return make_callable(self.session, fetches, feeds)
 
     def loop_callable(self):
         """(start token int64 [4], count) -> the loop's outputs. With
         --trace_steps=A:B, runs of steps that cross [A, B) are split so
         that each step in it runs alone, traced (trainer/observe/tracing.py).
         """
-        feeds = [self.g.start_token, self.g.num_steps]
+        feeds, bound = [self.g.start_token, self.g.num_steps], {}
+        if self.g.chief:   # its loop writes only in its generation, claimed
+            bound = {self.g.chief.generation: self.generation}
         warmed, self._warm_loop = self._warm_loop, None
-        fixed = self.fixed   # the chief's loop writes only in its generation
-        if warmed:   # made and placed beforehand on this session
-            loop = warmed.loop
-        else:
-            loop = self.callable(self.g.loop_outputs, feeds, fixed)
-            if not self.g.chief:
-                # Its first run (0 steps: it only reads) before we join,
-                # so that our first round waits for nothing more.
-                loop(token_of(0), 0)
+        # Made and placed beforehand on this session (standby.warm), or now.
+        made = warmed.loop if warmed else self.callable(
+            self.g.loop_outputs, [*feeds, *bound])
+
+        def loop(token, count: int) -> dict:
+            return made(token, count, *bound.values())
+
+        if not (warmed or self.g.chief):
+            # Its first run (0 steps: it only reads) before we join, so
+            # that our first round waits for nothing more.
+            loop(token_of(0), 0)
         if self.config.trace_range() is None:
             return loop
         return tracing.split_loop(
             loop, tracing.traced_run(self.session, self.g.loop_outputs,
-                                     feeds, fixed),
+                                     feeds, bound),
             self.config.trace_range(), self.traces)
-
-    def join_again(self, outage_secs: float) -> None:
-        """From the watchdog: ps 0 answers again after `outage_secs`, long
-        enough for the chief to have counted this worker out. Its blocked
-        run may wait forever on a token or a reply lost with the link, so
-        it is ended; run() then reconnects and joins as a restarted
-        worker does."""
-        with self._lock:
-            self._outage_secs = outage_secs
-        self.close_session()
-
-    def reconnect(self, reason: str) -> None:
-        """Ends the blocked run: run() then connects again (the chief, on
-        a ps gone down: without_ps.py)."""
-        with self._lock:
-            self._reconnect_reason = reason
-        self.close_session()
-
-    def take_over(self, reason: str) -> None:
-        """From the chief watch: claim the chief's role, then end the
-        blocked run; run() then raises TakeOver, and this process starts
-        the chief's side."""
-        claim = takeover.Claim(self.server.target, self.task, self.config,
-                               self.k, self.g.ps_down)
-        with self._lock:
-            self._taking_over = (reason, claim)
-        self.close_session()
-
-    def run_ended(self, step: int) -> None:
-        """From the chief watch: the run ended at `step`, the last, while
-        this worker was away; end the blocked run, and run() returns."""
-        with self._lock:
-            self._ended_at = step
-        self.close_session()
-
-    def give_up(self, reason: str) -> None:
-        """From the watchdog: end the blocked session.run with a reason."""
-        logging.info("the watchdog ends the blocked training run")
-        reason = self.with_step(reason)
-        with self._lock:
-            self._stop_reason = reason
-        # Closing the session normally cancels the run the training thread
-        # is blocked in, and that thread raises `reason`. With ps 0 cut off,
-        # the close or the cancelled run can block as long as TCP retries
-        # the silent peer; then leaving is the only way to end the process.
-        threading.Thread(target=self._exit_if_still_running, args=(reason,),
-                         daemon=True, name="give-up-deadline").start()
-        self.close_session()
 
     @staticmethod
     def _exit_if_still_running(reason: str) -> None:

@@ -11,6 +11,7 @@ from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
 from trainer.sync import coordination
+from trainer.roles import sessions
 from trainer.roles import timing
 
 
@@ -28,9 +29,8 @@ def serve(config: TrainConfig, task: Task, server) -> None:
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):
         queue = coordination.shutdown_queue(task.task_index)
         queued, take = queue.size(), queue.dequeue()
-    with tf.compat.v1.Session(server.target, graph=graph,
-                              config=devices.session_config(config, task)
-                              ) as session:
+    with sessions.open_session(server.target, graph, config,
+                               task) as session:
         logging.info("%s serving", task.describe())
         while not session.run(queued):
             time.sleep(timing.POLL_SECS)

@@ -2,6 +2,7 @@
 task)` runs a ps (ps.py), the chief (chief.py) or another worker
 (worker.py) to the end; `trainer.main` only parses flags and calls it."""
 
+import contextlib
 import threading
 
 from absl import logging
@@ -15,6 +16,7 @@ from trainer.cluster import ports
 from trainer.roles import ps
 from trainer.roles import lifecycle
 from trainer.roles import standby
+from trainer.roles import states
 from trainer.roles import takeover
 from trainer.roles import graph as worker_graph
 from trainer.roles import timing
@@ -23,6 +25,8 @@ from trainer.roles.chief import Chief
 from trainer.cluster.spec import Task
 from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
+from trainer.common.errors import RunFailed
+from trainer.roles.states import Event, Kind, State
 from trainer.roles.worker import Worker
 
 
@@ -49,14 +53,84 @@ def run(config: TrainConfig, task: Task) -> None:
     logging.info("data: %d training and %d test images from %s",
                  len(mnist.train_labels), len(mnist.test_labels), data_dir)
     server = start_server(config, task)
-    as_chief = task.is_chief and not _another_chief(config, task, server)
-    role = (Chief if as_chief else Worker)(config, task, server, mnist)
-    _running.append(role)
-    spare = None if as_chief else _spare_chief(config, task, data_dir, role)
-    try:
-        role.run()
-    except takeover.TakeOver as e:
-        _take_over(config, task, server, role, spare, e)
+    machine = states.Machine(f"worker {task.task_index}")
+    with contextlib.ExitStack() as stack:
+        roles = Roles(config, task, server, mnist, data_dir, machine, stack)
+        if machine.run(roles.work) is State.FAILED:
+            roles.raise_failure()
+
+
+class Roles:
+    """The work of each state of this process (trainer/roles/states.py),
+    and `role`, the object doing it: a Worker, or a Chief once chosen or
+    claimed. Each work returns the Event the loop moves on."""
+
+    def __init__(self, config: TrainConfig, task: Task, server, mnist,
+                 data_dir, machine: states.Machine, stack):
+        """stack: a contextlib.ExitStack open for the whole loop (the
+        chief's beat is entered on it)."""
+        self.config, self.task, self.server = config, task, server
+        self.mnist, self.data_dir = mnist, data_dir
+        self.machine, self._stack = machine, stack
+        self.role, self._spare = None, None
+
+    def work(self, state: State) -> Event:
+        if state == State.STARTING:
+            return self._start()
+        if state == State.CLAIMING:
+            return self._claim(self.machine.cause.reason)
+        if state == State.RECONNECTING:
+            return self.role.reconnect(self.machine.cause)
+        return self.role.train()   # WORKER, CHIEF
+
+    def _start(self) -> Event:
+        """Worker 0 is the chief, unless another worker does the chief's
+        work now (it was started again after a takeover)."""
+        config, task, server = self.config, self.task, self.server
+        if task.is_chief and not _another_chief(config, task, server):
+            self._become(Chief(config, task, server, self.mnist,
+                               self.machine))
+            return Event(Kind.CHOSEN, "the chief's work is this task's",
+                         role=State.CHIEF)
+        self.role = Worker(config, task, server, self.mnist, self.machine)
+        _running[:] = [self.role]
+        self._spare = _spare_chief(config, task, self.data_dir, self.role)
+        return Event(Kind.CHOSEN, "another task does the chief's work",
+                     role=State.WORKER)
+
+    def _claim(self, reason: str) -> Event:
+        """This worker takes over the chief's work, on the same server:
+        claims the role first, with a beat of its own (others then wait
+        for it, not claim too), then builds the chief's side (the spare's
+        graph, the test set, the logdir), which may take long."""
+        worker, config = self.role, self.config
+        claim = takeover.Claim(self.server.target, self.task, config,
+                               worker.k, worker.g.ps_down)
+        checkpoints.prepare_logdir(config.logdir)
+        worker.in_the_run.set()   # taking over before joining: wait no more
+        mnist, graph, warmed = self._spare.result()
+        self._become(Chief(
+            config, self.task, self.server, mnist, self.machine,
+            taking_over=takeover.TakeOver(reason, claim), graph=graph,
+            warmed=warmed))
+        return Event(Kind.CLAIMED, f"claimed generation {claim.generation} "
+                     f"after worker {claim.previous}")
+
+    def _become(self, chief: Chief) -> None:
+        self.role = chief
+        _running[:] = [chief]
+        self._stack.enter_context(chief.beating())
+
+    def raise_failure(self) -> None:
+        """Raises why the loop ended in FAILED: a RunFailed naming the
+        step this worker was at, or the error out of a state's work."""
+        cause = self.machine.cause
+        if cause.error is not None and not isinstance(cause.error,
+                                                      RunFailed):
+            raise cause.error
+        reason = self.role.with_step(cause.reason) if self.role else (
+            cause.reason)
+        raise RunFailed(reason) from None
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
@@ -146,19 +220,6 @@ def _first_in_line(worker: Worker) -> bool:
     chief = int(record[takeover.INDEX])
     return all(not inside for k, inside in enumerate(roster[:worker.k])
                if k != chief)
-
-
-def _take_over(config: TrainConfig, task: Task, server, worker: Worker,
-               spare: SpareChief, claimed: takeover.TakeOver) -> None:
-    """This worker's process takes over the chief's work, on the same
-    server: the chief's graph (the spare's), the test set, the logdir."""
-    checkpoints.prepare_logdir(config.logdir)
-    worker.in_the_run.set()   # taking over before joining: wait no more
-    mnist, graph, warmed = spare.result()
-    chief = Chief(config, task, server, mnist, taking_over=claimed,
-                  graph=graph, warmed=warmed)
-    _running[:] = [chief]
-    chief.run()
 
 
 _running = []            # the worker role of this process, once built

@@ -15,10 +15,11 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
-from trainer.cluster import devices
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles import timing
-from trainer.roles.background import ThreadCall, close_within
+from trainer.roles import sessions
+from trainer.roles.background import ThreadCall
+from trainer.roles.sessions import close_within
 from trainer.roles.without_ps import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
 
@@ -163,9 +164,10 @@ class Graphs:
 @dataclasses.dataclass
 class Warmed:
     """A session opened beforehand on a worker's graph (`warm`), with the
-    loop's callable made and placed on every task. On a chief's, the
-    loop's fixed feed (`loop.fixed`, shared with `absorb`) holds the
-    chief's generation, set once the role is claimed."""
+    loop's callable made and placed on every task: loop(token, count),
+    and on a chief's loop(token, count, generation) and
+    absorb(generation), the generation given at each call once the role
+    is claimed."""
 
     session: tf.compat.v1.Session
     loop: Callable
@@ -180,17 +182,16 @@ def warm(config, task, server, graph,
     start prepared (`_prepare_start`); or None if that failed (a ps lost
     meanwhile): the connect then does it. ps_tasks: those the graph uses
     (None: every one)."""
-    session = tf.compat.v1.Session(
-        server.target, graph=graph.graph,
-        config=devices.session_config(config, task, ps_tasks))
-    # A chief's loop fed no chief's generation writes nothing.
-    generation = {graph.chief.generation: -1} if graph.chief else {}
+    session = sessions.open_session(server.target, graph.graph, config, task,
+                                    ps_tasks)
+    # A chief's loop fed no chief's generation (-1) writes nothing.
+    feeds, none = [graph.start_token, graph.num_steps], ()
+    if graph.chief:
+        feeds, none = [*feeds, graph.chief.generation], (-1,)
     try:
-        loop = make_callable(session, graph.loop_outputs,
-                             [graph.start_token, graph.num_steps], generation)
-        loop(np.zeros(4, np.int64), 0)   # step 0's token
-        absorb = (_prepare_start(session, graph, generation)
-                  if graph.chief else None)
+        loop = make_callable(session, graph.loop_outputs, feeds)
+        loop(np.zeros(4, np.int64), 0, *none)   # step 0's token
+        absorb = _prepare_start(session, graph) if graph.chief else None
     except tf.errors.OpError as e:
         logging.info("a loop was not placed beforehand: %s",
                      error_summary(e))
@@ -199,7 +200,7 @@ def warm(config, task, server, graph,
     return Warmed(session, loop, absorb)
 
 
-def _prepare_start(session, graph, generation: dict):
+def _prepare_start(session, graph):
     """Runs the reads of the chief's start (chief.py _claim_and_start)
     once, since a session keeps each run's placement, which a starved
     host takes seconds to make; returns the callable of its absorb (made,
@@ -213,5 +214,5 @@ def _prepare_start(session, graph, generation: dict):
             session.run(fetch)
         except tf.errors.FailedPreconditionError:
             pass
-    return make_callable(session, {"roster": graph.chief.absorb_op}, (),
-                         generation)
+    return make_callable(session, {"roster": graph.chief.absorb_op},
+                         [graph.chief.generation])

@@ -22,31 +22,29 @@ import dataclasses
 import time
 from typing import Callable
 
-from absl import logging
 import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles import liveness
 from trainer.roles import timing
-from trainer.roles.background import (BackgroundThread, OwnSession,
-                                      close_within)
+from trainer.roles.states import Event, Kind
+from trainer.roles import sessions
+from trainer.roles.background import BackgroundThread
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, GENERATION, INDEX, ChiefLock
 
 
 
-class TakeOver(Exception):
-    """Out of a worker's run: it takes over the chief's work, having
-    made `claim` (a Claim) for `reason`."""
-
-    def __init__(self, reason: str, claim):
-        super().__init__(reason)
-        self.reason, self.claim = reason, claim
+@dataclasses.dataclass(frozen=True)
+class TakeOver:
+    """A worker taking over the chief's work: why, and its Claim."""
+    reason: str
+    claim: "Claim"
 
 
 class BeatSession:
-    """The chief's beat, from a session of our own (background.OwnSession:
+    """The chief's beat, from a session of our own (sessions.Own:
     a beat on the training session would queue behind its first runs
     after each connect) that lives as long as the chief's role, across
     connects. A beat lands only while the record is the beating chief's:
@@ -59,11 +57,9 @@ class BeatSession:
             self._generation = tf.compat.v1.placeholder(tf.int64, [],
                                                         "generation")
             self._beat = lock.beat_in(self._generation)
-        self._session = OwnSession(lambda: tf.compat.v1.Session(
-            target, graph=graph,
-            config=devices.session_config(config, task, [0])),
-            # A beat later than this is as good as none to the others.
-            int(config.worker_timeout_secs * 1000))
+        # A beat later than this is as good as none to the others.
+        self._session = sessions.Own(target, graph, config, task, [0], int(
+            config.worker_timeout_secs * 1000))
 
     def beat(self, generation: int) -> bool:
         """Whether the beat landed; raises tf.errors.OpError if ps 0 does
@@ -97,7 +93,7 @@ class Claim:
     def handed_over(self) -> None:
         """The chief's own beat runs now: this one stops."""
         self._beat.stop()
-        close_within(self._session)
+        sessions.close_within(self._session)
 
 
 def lock_session(target: str, task, config, copy_device: str | None):
@@ -110,8 +106,7 @@ def lock_session(target: str, task, config, copy_device: str | None):
     with graph.as_default():
         lock = ChiefLock(devices.ps_device(0), copy_device)
     ps_tasks = [0] + ([mirrors.PS0_COPIES] if copy_device else [])
-    return tf.compat.v1.Session(target, graph=graph, config=(
-        devices.session_config(config, task, ps_tasks))), lock
+    return sessions.open_session(target, graph, config, task, ps_tasks), lock
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
@@ -260,17 +255,16 @@ class Judge:
 
 class ChiefWatch(BackgroundThread):
     """A worker's watch on the chief (a context manager around its
-    training runs): calls on_lost(reason) once, when Judge says so."""
+    training runs): posts CHIEF_LOST once Judge says the chief is lost,
+    or ENDED_AWAY if it is gone after the last step (states.py)."""
 
     def __init__(self, read: Callable[[], tuple], judge: Judge,
-                 on_lost: Callable[[str], None], train_steps: int,
-                 on_ended: Callable[[int], None]):
+                 post: Callable[[Event], bool], train_steps: int):
         """read: () -> (record int64 [3], roster bool [N], global step
-        int64 []) from ps 0; on_ended(step): the chief is gone after the
-        last step, so there is no work to take over."""
+        int64 []) from ps 0; post: the worker's Machine.post."""
         super().__init__("chief-watch", timing.BEAT_SECS, timing.BEAT_SECS * 4)
-        self._read, self._judge, self._on_lost = read, judge, on_lost
-        self._train_steps, self._on_ended = train_steps, on_ended
+        self._read, self._judge, self._post = read, judge, post
+        self._train_steps = train_steps
 
     def run_once(self) -> bool | None:
         started = time.monotonic()
@@ -288,11 +282,11 @@ class ChiefWatch(BackgroundThread):
             # The chief ended the run and exited while this worker was cut
             # off or frozen (ps 0 has not exited yet): a chief now would
             # wait for ps tasks that are gone.
-            self._on_ended(int(step))
-            return False
-        logging.warning("the chief is lost (%s); this worker takes over "
-                        "its work", reason)
-        self._on_lost(reason)
+            self._post(Event(Kind.ENDED_AWAY, (
+                f"the run ended at step {int(step)}, its last, while this "
+                "worker was away; nothing is left to do")))
+        else:
+            self._post(Event(Kind.CHIEF_LOST, reason))
         return False
 
 

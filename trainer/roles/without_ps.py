@@ -30,14 +30,12 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster import ports
 from trainer.roles import timing
-from trainer.roles.background import BackgroundThread, OwnSession
+from trainer.roles import sessions
+from trainer.roles.background import BackgroundThread
+from trainer.roles.states import Event, Kind
 from trainer.sync import state as state_lib
 
 READ_MS = 5000     # the most a read of ps 0 waits
-
-
-class ServeAgain(Exception):
-    """Out of the chief's run: the ps it did without answers again."""
 
 
 def port_open(task, ps: int) -> bool:
@@ -58,10 +56,8 @@ class Ps0Reader:
             self._down_set = tf.raw_ops.VarIsInitializedOp(
                 resource=down.handle)
             self._down = down.read_value()
-        self._session = OwnSession(lambda: tf.compat.v1.Session(
-            target, graph=graph,
-            config=devices.session_config(config, task, ps_tasks=[0])),
-            READ_MS)
+        self._session = sessions.Own(target, graph, config, task, [0],
+                                     READ_MS)
 
     def holds_run(self) -> bool:
         """Raises tf.errors.OpError if ps 0 does not answer (as does
@@ -166,8 +162,16 @@ def chief_watch(chief):
     again is taken back at a step boundary."""
     if not chief.config.ps_mirrors:
         return contextlib.nullcontext()
-    return PsWatch(chief.task, chief.g.ps_down, lambda k: chief.reconnect(
-        f"ps {k} refuses connections"), chief.serve_again)
+
+    def down(k: int) -> None:
+        chief.machine.post(Event(Kind.PS_DOWN, f"ps {k} refuses connections"))
+
+    def back() -> None:
+        chief.machine.post(Event(Kind.PS_UP, (
+            f"ps {chief.g.ps_down} answers again: halted at a step boundary "
+            "to take it back")))
+
+    return PsWatch(chief.task, chief.g.ps_down, down, back)
 
 
 def ps_tasks(task, down: int | None) -> list[int] | None:

@@ -16,6 +16,7 @@ from trainer.roles import watchdog as watchdog_lib
 from trainer.saving import storage
 from trainer.roles import timing
 from trainer.roles.lifecycle import WorkerRole, poll_until
+from trainer.roles.states import Event, Kind
 from trainer.sync import state
 
 
@@ -79,21 +80,26 @@ class Worker(WorkerRole):
             return ", ".join(cluster.describe("worker", k) for k in missing)
 
         def on_timeout(at, who) -> None:
-            self.give_up(
+            self.machine.post(Event(Kind.STALLED, (
                 f"{'global step ' + str(at) if at is not None else 'training'}"
                 f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
-                f" waiting for {who}; is the chief, {chief}, running?")
+                f" waiting for {who}; is the chief, {chief}, running?")))
+
+        def on_return(outage_secs: float) -> None:
+            self.machine.post(Event(Kind.PS_BACK, (
+                f"ps 0 answers again after {outage_secs:.0f} s; joining "
+                "again (the chief counted us out meanwhile)")))
 
         return watchdog_lib.Watchdog(
             read_progress, describe_missing, timeout, on_timeout,
             f"{cluster.describe('ps', 0)}, which does not answer",
-            "--startup_timeout_secs", on_return=self.join_again,
+            "--startup_timeout_secs", on_return=on_return,
             return_after_secs=self.config.worker_timeout_secs)
 
     def _chief_watch(self) -> takeover.ChiefWatch:
         """Watches the chief's beat; if it stops, this worker may take
-        over the chief's work (trainer/roles/takeover.py): the blocked run
-        is ended, and run() raises TakeOver."""
+        over the chief's work (trainer/roles/takeover.py): it posts
+        CHIEF_LOST, and the loop moves to CLAIMING."""
         read = self.callable({"record": self.g.lock.recorded,
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
@@ -105,8 +111,8 @@ class Worker(WorkerRole):
             out = read()
             return out["record"], out["roster"], out["step"]
 
-        return takeover.ChiefWatch(fetch, judge, self.take_over,
-                                   self.train_steps, self.run_ended)
+        return takeover.ChiefWatch(fetch, judge, self.machine.post,
+                                   self.train_steps)
 
     def _join(self, dog):
         """Asks the chief in and waits for the first token (int64 [4]),

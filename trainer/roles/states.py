@@ -1,0 +1,204 @@
+"""A worker process's roles as one state machine: its states, the events
+that move it, the table between them, and the one loop that moves it.
+
+    STARTING -> WORKER or CHIEF; WORKER -> CLAIMING -> CHIEF;
+    WORKER, CHIEF -> RECONNECTING -> back to that role; any -> ENDED, FAILED
+
+The loop (`Machine.run`) does the work of the current state (a callable
+the role gives for each state; trainer/roles/run.py), which returns an
+Event, and `move` looks the next state up in TABLE and logs one line:
+
+    worker 1: worker -> claiming (worker 0 left: no beat for 10 s, --worker_timeout_secs)
+
+The threads beside a training run (the watchdog, the chief watch, the
+ps watch: trainer/roles/background.py) only `post` what they saw. While
+the state's work is blocked in a session.run, no event can be acted on
+until that run returns, so post() ends it the way HOW says: at once (the
+session is closed) or at the next step boundary (the chief's halt), with
+the one function the role gave (`interrupt`). The work then returns, the
+loop takes the posted event in place of the run's error, and moves. So
+every decision is the table's, taken on the loop; post() only chooses,
+when two threads post at once, the event of the higher priority (Kind's
+order). No TensorFlow here: tests/test_states.py drives the table with
+fake events.
+"""
+
+import dataclasses
+import enum
+import threading
+from typing import Callable
+
+from absl import logging
+
+from trainer.common.errors import RunFailed
+
+
+class State(enum.Enum):
+    STARTING = "starting"          # its server up, asking who is the chief
+    WORKER = "worker"              # computing the slices the chief hands out
+    CLAIMING = "claiming"          # claiming the chief's role, building it
+    CHIEF = "chief"                # doing the chief's work
+    RECONNECTING = "reconnecting"  # its session closed; back to its role
+    ENDED = "ended"                # trained to the end (exit 0)
+    FAILED = "failed"              # the run failed (exit 1)
+
+
+ROLES = (State.WORKER, State.CHIEF)
+FINAL = (State.ENDED, State.FAILED)
+
+
+class Kind(enum.IntEnum):
+    """What happened. The first seven are posted by a thread; of two
+    posted before the loop takes one, the lower value is kept."""
+    CHIEF_LOST = 1       # the chief watch: the chief's beat stopped
+    ENDED_AWAY = 2       # the chief watch: the run ended while we were away
+    STALLED = 3          # the watchdog: no step for --startup_timeout_secs
+    PS_BACK = 4          # the watchdog: ps 0 answers again after an outage
+    PS_DOWN = 5          # the ps watch: a ps refuses connections
+    PS_UP = 6            # the ps watch: the ps done without answers again
+    # What a state's work returned.
+    CHOSEN = 10          # STARTING: the role this task starts in
+    CLAIMED = 11         # CLAIMING: the claim made, the chief's side built
+    DONE = 12            # trained to the end
+    PS_LOST = 13         # a run failed: a ps died, restarted or is cut off
+    SERVING_CHANGED = 14  # a push refused: the chief serves shards otherwise
+    RECONNECTED = 15     # RECONNECTING: the old session closed
+    FAILURE = 16         # anything else: error holds it
+
+
+POSTED = tuple(k for k in Kind if k < Kind.CHOSEN)
+
+
+class How(enum.Enum):
+    """How post() ends the state's blocked work."""
+    NOW = "close the session"
+    NOW_OR_EXIT = "close the session; exit if that does not end the run"
+    AT_BOUNDARY = "halt the chief's loop at the next step boundary"
+
+
+HOW = {Kind.CHIEF_LOST: How.NOW, Kind.ENDED_AWAY: How.NOW,
+       Kind.STALLED: How.NOW_OR_EXIT, Kind.PS_BACK: How.NOW,
+       Kind.PS_DOWN: How.NOW, Kind.PS_UP: How.AT_BOUNDARY}
+
+_BACK = None   # RECONNECTING's next state: the role it reconnects as
+
+# (state, what happened) -> the next state. A pair not here is ignored
+# when posted (a thread late for its state) and a bug when returned.
+TABLE = {
+    (State.STARTING, Kind.CHOSEN): None,        # event.role
+    (State.STARTING, Kind.FAILURE): State.FAILED,
+    (State.WORKER, Kind.DONE): State.ENDED,
+    (State.WORKER, Kind.CHIEF_LOST): State.CLAIMING,
+    (State.WORKER, Kind.ENDED_AWAY): State.ENDED,
+    (State.WORKER, Kind.STALLED): State.FAILED,
+    (State.WORKER, Kind.PS_BACK): State.RECONNECTING,
+    (State.WORKER, Kind.PS_LOST): State.RECONNECTING,
+    (State.WORKER, Kind.SERVING_CHANGED): State.RECONNECTING,
+    (State.WORKER, Kind.FAILURE): State.FAILED,
+    (State.CLAIMING, Kind.CLAIMED): State.CHIEF,
+    (State.CLAIMING, Kind.FAILURE): State.FAILED,
+    (State.CHIEF, Kind.DONE): State.ENDED,
+    (State.CHIEF, Kind.STALLED): State.FAILED,
+    (State.CHIEF, Kind.PS_DOWN): State.RECONNECTING,
+    (State.CHIEF, Kind.PS_UP): State.RECONNECTING,
+    (State.CHIEF, Kind.PS_LOST): State.RECONNECTING,
+    (State.CHIEF, Kind.SERVING_CHANGED): State.RECONNECTING,
+    (State.CHIEF, Kind.FAILURE): State.FAILED,
+    (State.RECONNECTING, Kind.RECONNECTED): _BACK,
+    (State.RECONNECTING, Kind.FAILURE): State.FAILED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """kind; reason: one line for the log; role: with CHOSEN, the State
+    this task starts in; error: with FAILURE, the exception to raise."""
+    kind: Kind
+    reason: str
+    role: State | None = None
+    error: BaseException | None = None
+
+
+class Interrupted(Exception):
+    """Raised by a role's work that finds an event posted (it stopped at
+    a step boundary for it): the loop takes that event."""
+
+
+class Machine:
+    """One task's state; `post` from any thread, `run` on the loop's."""
+
+    def __init__(self, who: str):
+        """who: the task, as log lines name it ("worker 1")."""
+        self.who = who
+        self.state = State.STARTING
+        self.role: State | None = None      # WORKER or CHIEF, once chosen
+        self.cause: Event | None = None     # the event of the last move
+        self._pending: Event | None = None
+        self._lock = threading.Lock()
+        self._interrupt: Callable[[Event, How], None] = lambda e, how: None
+
+    def attach(self, interrupt: Callable[["Event", How], None]) -> None:
+        """interrupt(event, how): the role's one way to end its blocked
+        work for a posted event."""
+        self._interrupt = interrupt
+
+    def post(self, event: Event) -> bool:
+        """From a thread: records `event` and ends the blocked work as HOW
+        says. False (nothing done) if the current state has no row for
+        it, or an event of a higher priority is pending."""
+        assert event.kind in POSTED, event
+        with self._lock:
+            if (self.state, event.kind) not in TABLE or (
+                    self._pending and self._pending.kind <= event.kind):
+                return False
+            self._pending = event
+        self._interrupt(event, HOW[event.kind])
+        return True
+
+    def pending(self) -> Event | None:
+        """The event posted and not yet taken (any thread)."""
+        with self._lock:
+            return self._pending
+
+    def outcome(self, event: Event) -> Event:
+        """What the loop acts on, once the work returned `event`: the event
+        posted meanwhile, if any (its interrupt made the work fail), else
+        `event`. A work that ended (DONE) or failed for a reason of its
+        own (a RunFailed: the chief's halt, a deposed chief) keeps it."""
+        with self._lock:
+            posted, self._pending = self._pending, None
+        if event.kind == Kind.DONE or isinstance(event.error, RunFailed):
+            return event
+        return posted or event
+
+    def move(self, event: Event) -> State:
+        """Takes the transition of (state, event.kind); logs it."""
+        key = (self.state, event.kind)
+        if key not in TABLE:
+            raise AssertionError(f"{self.who}: no transition from "
+                                 f"{self.state.value} on {event.kind.name}")
+        new = TABLE[key] or (event.role if event.kind == Kind.CHOSEN
+                             else self.role)
+        quiet = event.kind in (Kind.CHOSEN, Kind.DONE, Kind.CLAIMED,
+                               Kind.RECONNECTED)
+        (logging.info if quiet else logging.warning)(
+            "%s: %s -> %s (%s)", self.who, self.state.value, new.value,
+            event.reason)
+        with self._lock:
+            self.state, self.cause = new, event
+            if new in ROLES:
+                self.role = new
+        return new
+
+    def run(self, work: Callable[[State], Event]) -> State:
+        """The loop: work(state) for each state, until ENDED or FAILED. An
+        exception out of a state's work is its FAILURE."""
+        while self.state not in FINAL:
+            try:
+                event = work(self.state)
+            except Exception as e:  # noqa: BLE001 (the table decides)
+                first = (str(e).splitlines() or [""])[0]
+                event = Event(Kind.FAILURE, f"{type(e).__name__}: {first}",
+                              error=e)
+            self.move(self.outcome(event))
+        return self.state
