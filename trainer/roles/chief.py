@@ -53,7 +53,7 @@ class Chief(WorkerRole):
         writer = self._ready(step, logdir)
         self.graphs.prebuild(self.g)
         with self._membership_watch(writer) as watch, \
-                self._round_deadlines(), without_ps.chief_watch(self):
+                self._round_deadlines(), without_ps.ps_watch(self):
             try:
                 self._wait_for_workers(self.config.min_workers)
             except RunFailed as e:
@@ -192,7 +192,8 @@ class Chief(WorkerRole):
 
     def halt(self, reason: str) -> None:
         """Ends training at the next step boundary with a checkpoint, then
-        stops every task (SIGTERM, too few workers). Any thread."""
+        stops every task: on SIGTERM (run.terminate's thread). The loop's
+        work then fails with its own RunFailed (_step_runner)."""
         with self._lock:
             if self.halt_reason:
                 return

@@ -144,7 +144,7 @@ class WorkerRole(abc.ABC):
             # With ps 0 cut off, the close or the cancelled run can block
             # as long as TCP retries the silent peer; then leaving is the
             # only way to end the process.
-            threading.Thread(target=self._exit_if_still_running,
+            threading.Thread(target=self._exit_after_deadline,
                              args=(self.with_step(event.reason),),
                              daemon=True, name="give-up-deadline").start()
         self.close_session()
@@ -180,6 +180,12 @@ class WorkerRole(abc.ABC):
             self.g.chief.testset_init(self.session, self.mnist.test_images,
                                       self.mnist.test_labels)
         self.graphs.connected()
+
+    def session_and_graph(self) -> tuple:
+        """(the session or None, the WorkerGraph), read together: another
+        thread may swap them (any thread)."""
+        with self._lock:
+            return self.session, self.g
 
     def close_session(self,
                       deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
@@ -223,7 +229,7 @@ class WorkerRole(abc.ABC):
             self.config.trace_range(), self.traces)
 
     @staticmethod
-    def _exit_if_still_running(reason: str) -> None:
+    def _exit_after_deadline(reason: str) -> None:
         time.sleep(timing.CLOSE_DEADLINE_SECS)
         logging.error("%s; the blocked session did not end within %.0f s; "
                       "exiting", reason, timing.CLOSE_DEADLINE_SECS)

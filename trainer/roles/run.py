@@ -209,17 +209,15 @@ class SpareChief:
 def _first_in_line(worker: Worker) -> bool:
     """Whether `worker` would claim the chief's role first if the chief
     were lost now (False if ps 0 does not answer)."""
-    with worker._lock:
-        session, g = worker.session, worker.g
+    session, g = worker.session_and_graph()
     if session is None:
         return False
     try:
         record, roster = session.run([g.lock.recorded, g.handles.roster])
     except Exception:  # noqa: BLE001 (closed meanwhile, ps 0 away: not yet)
         return False
-    chief = int(record[takeover.INDEX])
-    return all(not inside for k, inside in enumerate(roster[:worker.k])
-               if k != chief)
+    return takeover.place_in_line(roster, int(record[takeover.INDEX]),
+                                  worker.k) == 0
 
 
 _running = []            # the worker role of this process, once built

@@ -10,8 +10,9 @@ Event, and `move` looks the next state up in TABLE and logs one line:
 
     worker 1: worker -> claiming (worker 0 left: no beat for 10 s, --worker_timeout_secs)
 
-The threads beside a training run (the watchdog, the chief watch, the
-ps watch: trainer/roles/background.py) only `post` what they saw. While
+The threads beside a training run (a worker's watchdog and chief watch;
+the chief's membership watch and ps watch: trainer/roles/background.py)
+only `post` what they saw. While
 the state's work is blocked in a session.run, no event can be acted on
 until that run returns, so post() ends it the way HOW says: at once (the
 session is closed) or at the next step boundary (the chief's halt), with
@@ -48,7 +49,7 @@ FINAL = (State.ENDED, State.FAILED)
 
 
 class Kind(enum.IntEnum):
-    """What happened. The first seven are posted by a thread; of two
+    """What happened. The first six are posted by a thread; of two
     posted before the loop takes one, the lower value is kept."""
     CHIEF_LOST = 1       # the chief watch: the chief's beat stopped
     ENDED_AWAY = 2       # the chief watch: the run ended while we were away

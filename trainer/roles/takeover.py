@@ -8,14 +8,15 @@ beside its training runs, and calls the chief lost once the silence rule
 (liveness.lost) says so of its beats.
 
 Then the worker with the lowest index among the others in the roster
-claims the chief's role at once; the next one a further
---worker_timeout_secs later, in case the first is lost too; and so on. A
-claim made meanwhile by another worker shows as a new generation, which
-resets the watch. The claim comes first, with a beat of its own (`Claim`),
-and then the worker ends its blocked run and builds the chief's side in
-its process (trainer/roles/run.py), which can take long on a slow host:
-meanwhile the others see the new chief's beat and wait. The new chief
-goes on from the state on the ps tasks: no step is redone.
+posts CHIEF_LOST at once (trainer/roles/states.py); the next one a
+further --worker_timeout_secs later, in case the first is lost too; and
+so on. A claim made meanwhile by another worker shows as a new
+generation, which resets the watch. In the CLAIMING state the worker
+claims first, with a beat of its own (`Claim`), and then builds the
+chief's side in its process (run.Roles._claim), which can take long on
+a slow host: meanwhile the others see the new chief's beat and wait.
+The new chief goes on from the state on the ps tasks: no step is
+redone.
 """
 
 import dataclasses
@@ -224,9 +225,8 @@ class Judge:
             if why is None:
                 return None
             self._why, self._lost_at = why, now
-        rank = sum(1 for k, inside in enumerate(roster)
-                   if inside and k not in (chief, self.me) and k < self.me)
-        if now - self._lost_at >= rank * self.timeout:
+        if now - self._lost_at >= (
+                place_in_line(roster, chief, self.me) * self.timeout):
             return f"worker {chief} left: {self._why}"
         return None
 
@@ -288,6 +288,13 @@ class ChiefWatch(BackgroundThread):
         else:
             self._post(Event(Kind.CHIEF_LOST, reason))
         return False
+
+
+def place_in_line(roster, chief: int, me: int) -> int:
+    """How many workers claim the chief's role before worker `me`: those
+    of a lower index in the roster (bool [N]), the chief aside."""
+    return sum(1 for k, inside in enumerate(roster[:me])
+               if inside and k != chief)
 
 
 def generation_copy_device(config, ps_down: int | None = None) -> str | None:

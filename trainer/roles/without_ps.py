@@ -156,7 +156,7 @@ class PsWatch(BackgroundThread):
         return True
 
 
-def chief_watch(chief):
+def ps_watch(chief):
     """The chief's PsWatch (trainer/roles/chief.py), a context manager:
     a ps gone down is done without at once, one done without that answers
     again is taken back at a step boundary."""

@@ -55,11 +55,11 @@ class Worker(WorkerRole):
         self.close_session()
 
     def _watchdog(self) -> watchdog_lib.Watchdog:
-        """Gives up when the global step stays put: a worker cut off from
-        the cluster, or waiting on a stopped chief, waits as long as a
-        starting worker waits for its cluster (--startup_timeout_secs).
-        When ps 0 answers again after --worker_timeout_secs without an
-        answer, it ends the blocked run with `join_again`."""
+        """Posts STALLED when the global step stays put: a worker cut off
+        from the cluster, or waiting on a stopped chief, waits as long as
+        a starting worker waits for its cluster (--startup_timeout_secs).
+        Posts PS_BACK when ps 0 answers again after --worker_timeout_secs
+        without an answer: the chief counted us out, so we join again."""
         h, cluster = self.g.handles, self.task.cluster
         timeout = self.config.startup_timeout_secs
         chief = cluster.describe("worker", 0)
