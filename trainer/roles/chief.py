@@ -273,7 +273,11 @@ class Chief(WorkerRole):
         else:
             self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
-                self.config.worker_timeout_secs)
+                takeover.claim_wait(self.config))
+        # A restore or refill is written outside the lock: a claimer that
+        # another claim overtook (both judged the chief lost at once) must
+        # not write over the state its successor trains from.
+        self._check_still_chief()
         # No restore where the ps tasks hold every variable and no write
         # was cut short (TensorFlow's SessionManager would restore over
         # them): without_ps.fill_what_was_lost says how.

@@ -87,7 +87,7 @@ class Claim:
             generation_copy_device(config, ps_down))
         self.previous = int(self._session.run(self.lock.recorded)[INDEX])
         self.generation, self.lost = claim(self._session, self.lock, index,
-                                      config.worker_timeout_secs)
+                                           claim_wait(config))
         self._beat = ChiefBeat(lambda: self._session.run(self.lock.beat))
         self._beat.start()
 
@@ -132,6 +132,11 @@ def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
     session.run(lock.put, {lock.generation_in: generation,
                            lock.index_in: index})
     return generation, lost
+
+
+def claim_wait(config) -> float:
+    """How long a claim waits for the lock (timing.CLAIM_WAIT_SHARE)."""
+    return config.worker_timeout_secs * timing.CLAIM_WAIT_SHARE
 
 
 def deposed_by(session, lock, generation: int, options=None) -> int | None:

@@ -37,6 +37,11 @@ WARN_EVERY_SECS = 10.0
 READ_DEADLINE_SECS = 5.0
 # A worker not yet in the roster asks to join again this often.
 JOIN_AGAIN_SECS = 5.0
+# A claim waits this share of --worker_timeout_secs for the lock before it
+# calls the last chief lost inside a write. Less than 1: the next worker
+# in line claims --worker_timeout_secs after the first, and must by then
+# see the first's claim, or two claim at once (nemesis seed 913).
+CLAIM_WAIT_SHARE = 0.5
 # A worker's message to the chief that it leaves (SIGTERM).
 LEAVE_DEADLINE_SECS = 1.5
 # In the run this long, a worker builds ahead what a takeover or a lost
