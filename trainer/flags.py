@@ -192,7 +192,8 @@ flags.DEFINE_float("worker_timeout_secs", _default("worker_timeout_secs"),
                    "before it hands that worker's examples to the others; "
                    "the chief's beat, before the next worker in line takes "
                    "over its work (each further one waits this long "
-                   "again); a claim's wait for the chief's lock; how long "
+                   "again); a claim's wait for the chief's lock (half of "
+                   "it); how long "
                    "the chief waits for ps 0, and a worker's wait before "
                    "it joins again once ps 0 answers; and gRPC's give-up "
                    "on a peer that does not acknowledge (keepalive).")
