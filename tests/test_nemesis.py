@@ -205,6 +205,20 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     assert checker.rejoined(outcome, record, 10.0) == []
     outcome.history = history
     assert len(checker.rejoined(outcome, record, 10.0)) == 1
+    # A ps killed just after the return (seed 914), started again 2 s
+    # later: the clock stands still until a chief is ready again, 2 s
+    # after the kill (1 problem: 125 is past the bound), or 14 s after
+    # (the chief reconnected, then waited for the lock: none).
+    outcome.history = history + [(t0 + 101, 101, "ps1", "kill"),
+                                 (t0 + 103, 101, "ps1", "start")]
+    for ready_after, problems in ((2, 1), (14, 0)):
+        ready = datetime.datetime.fromtimestamp(
+            t0 + 101 + ready_after).strftime(
+                "I%m%d %H:%M:%S.000000 1 chief.py:80]")
+        (tmp_path / "worker0.0.log").write_text(
+            f"{ready} chief ready at global step 101 of 200\n")
+        assert len(checker.rejoined(outcome, record, 10.0)) == problems
+    (tmp_path / "worker0.0.log").unlink()
     # Back after the last step (seed 503): there was nothing to average,
     # even if the run ended (ps 0 exited) later than the bound.
     outcome.history = history[:2] + [(t0 + 250, 200, "worker1", "end cut")]

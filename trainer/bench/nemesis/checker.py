@@ -177,7 +177,8 @@ def rejoined(outcome, record: np.ndarray | None,
     if record is None:
         return []
     problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
-    paused = _merged(_ps_faulted(outcome.history) + _chief_out(outcome))
+    paused = _merged(_ps_faulted(outcome.history, _ready_times(outcome))
+                     + _chief_out(outcome))
     for when, task, what in returns(outcome):
         k = int(task[len("worker"):])
         deadline = _deadline(when, bound, paused, outcome.ended_at)
@@ -235,14 +236,19 @@ def returns(outcome) -> list[tuple[float, str, str]]:
     return found
 
 
-def _ps_faulted(history: list) -> list[tuple[float, float]]:
+def _ps_faulted(history: list, ready: list) -> list[tuple[float, float]]:
     """(from, to) wall times while a fault was in effect on a ps task:
-    from a hit to its end (a kill: to the restart)."""
+    from a hit to its end; from a kill to the next `chief ready` time in
+    `ready` (sorted), as for the chief's: every task reconnects, and the
+    chief may wait for the lock and restore first (seed 914)."""
     spans, since = [], {}
     for when, _, task, what in history:
         if not task.startswith("ps"):
             continue
-        if _is_hit(what):
+        if what == schedule_lib.KILL:
+            spans.append((when, next((t for t in ready if t > when),
+                                     float("inf"))))
+        elif _is_hit(what):
             since.setdefault(task, when)
         elif task in since:
             spans.append((since.pop(task), when))
@@ -256,8 +262,7 @@ def _chief_out(outcome) -> list[tuple[float, float]]:
     end. After a takeover the hit task may no longer be the chief: the
     clock then stands still for nothing, which only makes the check
     looser."""
-    ready = sorted(t for log in outcome.folder.glob("worker*.log")
-                   for t in _times_of(log, _READY))
+    ready = _ready_times(outcome)
     spans, since = [], None
     for when, _, task, what in outcome.history:
         if task != schedule_lib.CHIEF:
@@ -271,6 +276,12 @@ def _chief_out(outcome) -> list[tuple[float, float]]:
             spans.append((since, when))
             since = None
     return spans + ([(since, float("inf"))] if since is not None else [])
+
+
+def _ready_times(outcome) -> list[float]:
+    """Wall times of every `chief ready` line in a worker's log, sorted."""
+    return sorted(t for log in outcome.folder.glob("worker*.log")
+                  for t in _times_of(log, _READY))
 
 
 def _merged(spans: list) -> list[tuple[float, float]]:
