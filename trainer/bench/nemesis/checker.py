@@ -238,16 +238,15 @@ def returns(outcome) -> list[tuple[float, str, str]]:
 
 def _ps_faulted(history: list, ready: list) -> list[tuple[float, float]]:
     """(from, to) wall times while a fault was in effect on a ps task:
-    from a hit to its end; from a kill to the next `chief ready` time in
-    `ready` (sorted), as for the chief's: every task reconnects, and the
-    chief may wait for the lock and restore first (seed 914)."""
-    spans, since = [], {}
+    from a hit to its end; from a kill to the next time in `ready`, as a
+    chief's kill: every task reconnects, and the chief may wait for the
+    lock and restore first (seed 914)."""
+    spans, since, inf = [], {}, float("inf")
     for when, _, task, what in history:
         if not task.startswith("ps"):
             continue
-        if what == schedule_lib.KILL:
-            spans.append((when, next((t for t in ready if t > when),
-                                     float("inf"))))
+        if what == schedule_lib.KILL:   # until a chief is ready again
+            spans.append((when, next((t for t in ready if t > when), inf)))
         elif _is_hit(what):
             since.setdefault(task, when)
         elif task in since:
@@ -262,20 +261,18 @@ def _chief_out(outcome) -> list[tuple[float, float]]:
     end. After a takeover the hit task may no longer be the chief: the
     clock then stands still for nothing, which only makes the check
     looser."""
-    ready = _ready_times(outcome)
-    spans, since = [], None
+    ready, spans, since, inf = _ready_times(outcome), [], None, float("inf")
     for when, _, task, what in outcome.history:
         if task != schedule_lib.CHIEF:
             continue
-        if what == schedule_lib.KILL:
-            spans.append((when, next((t for t in ready if t > when),
-                                     float("inf"))))
+        if what == schedule_lib.KILL:   # until a chief is ready again
+            spans.append((when, next((t for t in ready if t > when), inf)))
         elif _is_hit(what):
             since = when if since is None else since
         elif what.startswith("end ") and since is not None:
             spans.append((since, when))
             since = None
-    return spans + ([(since, float("inf"))] if since is not None else [])
+    return spans + ([(since, inf)] if since is not None else [])
 
 
 def _ready_times(outcome) -> list[float]:
