@@ -219,6 +219,17 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
             f"{ready} chief ready at global step 101 of 200\n")
         assert len(checker.rejoined(outcome, record, 10.0)) == problems
     (tmp_path / "worker0.0.log").unlink()
+    # A chief deposed while stopped exits by design when it resumes (seed
+    # 926): its return is not judged.
+    outcome.history = history
+    assert len(checker.rejoined(outcome, record, 10.0)) == 1
+    deposed = datetime.datetime.fromtimestamp(t0 + 102).strftime(
+        "E%m%d %H:%M:%S.000000 1 main.py:80]")
+    with (tmp_path / "worker1.0.log").open("a") as log:
+        log.write(f"{deposed} worker 2 (h:1) {checker.DEPOSED}\n")
+    assert checker.rejoined(outcome, record, 10.0) == []
+    (tmp_path / "worker1.0.log").write_text(
+        f"{asked} worker 1 asked the chief to take it in\n")
     # Back after the last step (seed 503): there was nothing to average,
     # even if the run ended (ps 0 exited) later than the bound.
     outcome.history = history[:2] + [(t0 + 250, 200, "worker1", "end cut")]

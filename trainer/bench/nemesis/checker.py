@@ -173,7 +173,8 @@ def rejoined(outcome, record: np.ndarray | None,
     process asking to be taken in (its import and graph take time that
     is not the protocol's). The bound's clock stands still while a ps
     fault is in effect, and from a hit on the chief until a chief is
-    ready again: then no worker can be taken in (seeds 507, 622)."""
+    ready again: then no worker can be taken in (seeds 507, 622). A
+    chief deposed meanwhile exits by design, and is not judged (926)."""
     if record is None:
         return []
     problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
@@ -184,8 +185,10 @@ def rejoined(outcome, record: np.ndarray | None,
         deadline = _deadline(when, bound, paused, outcome.ended_at)
         if deadline > outcome.ended_at or any(
                 t == task and when < at <= deadline and _is_hit(w)
-                for at, _, t, w in outcome.history):
-            continue  # the run ended, or it was hit again, first
+                for at, _, t, w in outcome.history) or any(
+                when < at <= deadline for log in outcome.folder.glob(
+                    f"{task}.*.log") for at in _times_of(log, DEPOSED)):
+            continue  # the run ended, it was hit again, or it was deposed
         step_then = _step_at(outcome.steps_seen, when)
         step_due = _step_at(outcome.steps_seen, deadline)
         # A restore inside the bound (a ps killed and started again) took
@@ -239,8 +242,7 @@ def returns(outcome) -> list[tuple[float, str, str]]:
 def _ps_faulted(history: list, ready: list) -> list[tuple[float, float]]:
     """(from, to) wall times while a fault was in effect on a ps task:
     from a hit to its end; from a kill to the next time in `ready`, as a
-    chief's kill: every task reconnects, and the chief may wait for the
-    lock and restore first (seed 914)."""
+    chief's: all reconnect, the chief may restore first (seed 914)."""
     spans, since, inf = [], {}, float("inf")
     for when, _, task, what in history:
         if not task.startswith("ps"):
@@ -275,8 +277,7 @@ def _chief_out(outcome) -> list[tuple[float, float]]:
     return spans + ([(since, inf)] if since is not None else [])
 
 
-def _ready_times(outcome) -> list[float]:
-    """Wall times of every `chief ready` line in a worker's log, sorted."""
+def _ready_times(outcome) -> list[float]:   # every `chief ready` line
     return sorted(t for log in outcome.folder.glob("worker*.log")
                   for t in _times_of(log, _READY))
 
