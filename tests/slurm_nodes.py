@@ -37,6 +37,7 @@ removed; the mount namespaces end with their last process.
 """
 
 import argparse
+import contextlib
 import os
 import pathlib
 import re
@@ -94,6 +95,26 @@ def snapshot() -> dict:
                       if line.strip()},
             "cgroups": set(os.listdir(hosts_lib.CPU_CGROUP)),
             "mounts": mounts, "daemons": daemons}
+
+
+@contextlib.contextmanager
+def left_clean(nodes: int, outsiders=()):
+    """SlurmNodes of `nodes` nodes, started (with plain hosts `outsiders`
+    on their bridge), stopped on the way out, and then checked to have
+    left nothing that `snapshot` sees."""
+    before = snapshot()
+    cluster = SlurmNodes(nodes=nodes, cpu=None, link_rate="1gbit")
+    cluster.start()
+    try:
+        for name in outsiders:
+            cluster.net.add_host(name)
+        yield cluster
+    finally:
+        cluster.stop()
+        after = snapshot()
+        left = {k: sorted(after[k] - before[k]) for k in after
+                if after[k] - before[k]}
+        assert not left, f"the multi-node Slurm left behind {left}"
 
 
 class SlurmNodes(slurm_harness.SlurmCluster):

@@ -49,18 +49,8 @@ def nodes():
     in slurm.conf. What the harness could leave behind is compared
     before and after."""
     skip_without_nft()
-    before = slurm_nodes.snapshot()
-    cluster = slurm_nodes.SlurmNodes(nodes=3, cpu=None, link_rate="1gbit")
-    cluster.start()
-    try:
-        cluster.net.add_host("outsider")
+    with slurm_nodes.left_clean(3, ["outsider"]) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        after = slurm_nodes.snapshot()
-        left = {k: sorted(after[k] - before[k]) for k in after
-                if after[k] - before[k]}
-        assert not left, f"the multi-node Slurm left behind {left}"
 
 
 def chief_step(out) -> int:

@@ -19,7 +19,6 @@ below serve tests/test_slurm_firewall.py too.
 """
 
 import json
-import pathlib
 import re
 import shutil
 import signal
@@ -31,7 +30,7 @@ from tests import helpers
 from tests import ssh_hosts
 from tests.firewall_runs import trainer_tables
 from tests.outside_watch import OutsideWatch
-from tests.test_ssh_launcher import COMMON, WORKERS, Launch
+from tests.test_ssh_launcher import COMMON, WORKERS, Launch, processes_on
 
 pytestmark = [pytest.mark.cluster, pytest.mark.hosts]
 PORT = 2222          # the launcher's --base_port: one task per host
@@ -64,24 +63,8 @@ def data(tmp_path_factory):
 
 
 def left_on(hosts) -> list[str]:
-    """Command lines of trainer processes and table guards in the hosts'
-    cgroups (every process started in a host, and its children, is)."""
-    found = []
-    for host in hosts:
-        procs = pathlib.Path(host.cgroup, "cgroup.procs")
-        try:
-            pids = procs.read_text().split()
-        except OSError:
-            continue
-        for pid in pids:
-            try:
-                raw = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            text = raw.replace(b"\0", b" ").decode(errors="replace")
-            if LEFT.search(text):
-                found.append(f"{host.name} {pid}: {text}")
-    return found
+    """Trainer processes and table guards left in the hosts."""
+    return processes_on(hosts, LEFT)
 
 
 def wait_all_gone(hosts, timeout: float = 60) -> float:

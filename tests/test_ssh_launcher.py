@@ -64,21 +64,30 @@ def snapshot() -> set[str]:
     return found
 
 
-def trainer_processes(hosts) -> list[str]:
-    """Command lines of trainer processes (and ssh clients) on the
-    simulated hosts: every process started in one is in its cgroup."""
+def processes_on(hosts, pattern: str) -> list[str]:
+    """Command lines matching `pattern` of the processes in the hosts'
+    cgroups (every process started in a host, and its children, is)."""
     found = []
-    for host in hosts.sim.hosts.values():
-        pids = pathlib.Path(host.cgroup, "cgroup.procs").read_text().split()
-        for pid in pids:
+    for host in hosts:
+        try:
+            pids = pathlib.Path(host.cgroup, "cgroup.procs").read_text()
+        except OSError:
+            continue
+        for pid in pids.split():
             try:
                 cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
             text = cmdline.replace(b"\0", b" ").decode(errors="replace")
-            if re.search(r"trainer\.(main|remote|launch)|^ssh ", text):
+            if re.search(pattern, text):
                 found.append(f"{host.name} {pid}: {text}")
     return found
+
+
+def trainer_processes(hosts) -> list[str]:
+    """Trainer processes (and ssh clients) on the simulated hosts."""
+    return processes_on(hosts.sim.hosts.values(),
+                        r"trainer\.(main|remote|launch)|^ssh ")
 
 
 def assert_nothing_left(hosts, before: set[str],
