@@ -12,23 +12,13 @@ import tensorflow as tf
 
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
-from trainer.observe import progress
+from trainer.observe import progress, summaries, tracing
 from trainer.observe import results as results_lib
-from trainer.observe import summaries
-from trainer.observe import tracing
-from trainer.roles import deadlines
-from trainer.roles import ending
-from trainer.roles import membership
+from trainer.roles import deadlines, ending, membership, states, takeover
 from trainer.roles import without_ps
-from trainer.roles import states
-from trainer.roles import takeover
 from trainer.roles.lifecycle import WorkerRole, poll_until, token_of
-from trainer.saving import checkpoints
-from trainer.saving import storage
-from trainer.saving import export
+from trainer.saving import checkpoints, export, storage
 from trainer.sync import step_record
-
-EXPORT_DIR = "export"
 
 
 class Chief(WorkerRole):
@@ -43,9 +33,9 @@ class Chief(WorkerRole):
         self._gone = None             # the chief we took over from
         self._graph_written = False   # into the summaries, at our start
         self._absorb_call = None      # made once a connect (`_absorb`)
-        self.broken_steps = []        # steps not averaging the batch once
 
     def run_connected(self) -> None:
+        self._absorb_call = None   # made on the last connect's session
         ops = self.g.chief
         logdir = pathlib.Path(self.config.logdir)
         logdir.mkdir(parents=True, exist_ok=True)
@@ -60,16 +50,14 @@ class Chief(WorkerRole):
                 ending.end_failed_run(self, str(e))
                 raise
             outcome = progress.drive(
-                self._step_runner(logdir),
-                self.callable(ops.eval_outputs),
+                self._step_runner(logdir), self.callable(ops.eval_outputs),
                 lambda at: self._save(logdir, at), self.config, step,
                 self.train_steps, writer, slices=lambda: watch.slices)
             # Every worker, in or out, learns that training is over.
             self.session.run(ops.end_op)
-            joined = {r["worker"] for r in watch.records}
             ending.end_late_joiners(
                 self.session, ops.end_op, self._absorb, self.task.cluster,
-                joined | {self.k, self._gone})
+                {r["worker"] for r in watch.records} | {self.k, self._gone})
         watch.write_last_slices()
         step_breakdown = tracing.write_traces(self.traces, str(logdir),
                                               self.k, True, writer)
@@ -78,15 +66,14 @@ class Chief(WorkerRole):
         # From the last initialize or restore, across takeovers: a step
         # applied by two chiefs reads 2 (step_record.py).
         record_from = int(self.session.run(ops.record_from))
-        self.broken_steps = step_record.save_and_check(
+        broken = step_record.save_and_check(
             logdir, self.session.run(ops.by_step), self.config.batch_size,
             record_from, self.train_steps, self.config.backup_workers)
         # The chief pushes once per round: its rounds of this launch.
         self.pushed = int(self.session.run(self.g.handles.round)) - (
             self._first_round)
-        # The trained model as a TF Serving version (trainer/saving/export.py).
-        export.export_version(
-            str(logdir / EXPORT_DIR), self.train_steps, self.config.model,
+        export.export_version(   # a TF Serving version
+            str(logdir / "export"), self.train_steps, self.config.model,
             self.config.hidden_units, self.session.run(ops.param_values),
             self.config.keep_checkpoints)
         pushed = ending.collect_reports(self.session, self.g.chief,
@@ -95,33 +82,21 @@ class Chief(WorkerRole):
             logdir, outcome, self.config, self.train_steps, self.task.cluster,
             results_lib.ChiefReport(
                 self.train_steps - self.counted.since, counted,
-                {self.k: self.pushed, **pushed},
-                watch.records, len(self.broken_steps), record_from,
-                step_breakdown))
+                {self.k: self.pushed, **pushed}, watch.records, len(broken),
+                record_from, step_breakdown))
         ending.shut_down_ps(self)
         self.close_session()
 
     @contextlib.contextmanager
     def beating(self):
-        """The chief's beat, from its claim to its end, across reconnects
-        (a ps lost or back), from a session of its own; a takeover's claim
-        beats until ours lands. A start slow on a starved host (a restore,
-        the summary writer, the callables) must not look like a lost
-        chief. Entered by the loop (run.py) as this role begins."""
-        beats = takeover.BeatSession(self.server.target, self.task,
-                                     self.config)
-        try:
-            with takeover.ChiefBeat(
-                    lambda: beats.beat(self.generation),
-                    self.taking_over and self.taking_over.claim,
-                    ours=lambda: self.generation is not None):
-                yield
-        finally:
-            beats.close()
-
-    def _connect(self) -> None:
-        self._absorb_call = None   # of the last session
-        super()._connect()
+        """The chief's beat from its claim to its end, across reconnects (a
+        takeover's claim beats until ours lands); run.py enters it."""
+        with contextlib.closing(takeover.BeatSession(
+                self.server.target, self.task, self.config)) as beats, \
+                takeover.ChiefBeat(lambda: beats.beat(self.generation),
+                                   self.taking_over and self.taking_over.claim,
+                                   ours=lambda: self.generation is not None):
+            yield
 
     def _ready(self, step: int, logdir: pathlib.Path):
         """Tells the workers to go; returns the run's summary writer."""
@@ -137,19 +112,17 @@ class Chief(WorkerRole):
         return writer
 
     def _membership_watch(self, writer) -> membership.MembershipWatch:
-        ops, handles = self.g.chief, self.g.handles
+        ops, handles, session = self.g.chief, self.g.handles, self.session
         read = self.callable({
             "step": handles.global_step, "round": handles.round,
             "planned": handles.planned, "admitted": handles.admitted,
             "roster": ops.roster, "slices": ops.slices,
             "last_push": ops.last_push, "issued_round": ops.issued_round})
-        session = self.session
         log = ops.membership_log
         kept = json.loads(session.run(log.read).decode() or "[]")
 
         def keep(records: list) -> None:
             session.run(log.write, {log.value_in: json.dumps(records)})
-
         return membership.MembershipWatch(
             read, lambda: session.run(ops.membership),
             lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
@@ -160,10 +133,9 @@ class Chief(WorkerRole):
     def _round_deadlines(self):
         """The deadline thread where rounds have them (Pace.deadlines)."""
         ops = self.g.chief
-        if ops.deadlines is None:
-            return contextlib.nullcontext()
-        return deadlines.RoundDeadlines(self.session, ops.deadlines,
-                                        ops.late_op, *ops.late_in)
+        return contextlib.nullcontext() if ops.deadlines is None else (
+            deadlines.RoundDeadlines(self.session, ops.deadlines, ops.late_op,
+                                     *ops.late_in))
 
     def _wait_for_workers(self, count: int) -> None:
         """Takes in joined workers until `count` are in (bounded)."""
@@ -172,7 +144,6 @@ class Chief(WorkerRole):
         def ready() -> bool:
             members[0] = int(self._absorb().sum())
             return members[0] >= count or bool(self.halt_reason)
-
         poll_until(
             ready, timeout,
             lambda secs: f"{members[0]} of --min_workers={count} workers in;"
@@ -225,27 +196,22 @@ class Chief(WorkerRole):
             if reason and start >= 0:
                 self._save_and_stop(logdir, start, reason)
                 ending.shut_down_ps(self, failed=True)
-                raise RunFailed(
-                    f"{reason}; saved a checkpoint at step {start}; start "
-                    "every task again with the same flags to continue "
-                    "from it")
-            raise RunFailed(f"the training loop stopped early at step "
-                            f"{start}")
-
+                raise RunFailed(f"{reason}; saved a checkpoint at step "
+                                f"{start}; start every task again with the "
+                                "same flags to continue from it")
+            raise RunFailed(f"the training loop stopped early at step {start}")
         return run_steps
 
     def _check_still_chief(self, step: int | None = None) -> None:
         """Raises RunFailed if another worker claimed the chief's role
         (this one was cut off, frozen or starved meanwhile)."""
-        index = takeover.deposed_by(self.session, self.g.lock,
-                                    self.generation)
+        index = takeover.deposed_by(self.session, self.g.lock, self.generation)
         if index is not None:
             at = "" if step is None else f" (at step {step} here)"
             raise RunFailed(
-                f"{self.task.cluster.describe('worker', index)} took "
-                f"over the chief's work while this chief was out of reach"
-                f"{at}; exiting: start this task again to join the run as "
-                "a worker")
+                f"{self.task.cluster.describe('worker', index)} took over "
+                f"the chief's work while this chief was out of reach{at}; "
+                "exiting: start this task again to join the run as a worker")
 
     def _save_and_stop(self, logdir: pathlib.Path, step: int,
                        reason: str) -> None:
@@ -259,39 +225,41 @@ class Chief(WorkerRole):
                                 error_summary(e))
 
     def _claim_and_start(self, logdir: pathlib.Path) -> int:
-        """Claims the chief's role (trainer/sync/chief_lock.py), takes
-        the state on the ps tasks as it is where it is whole, else
-        initializes or restores; then asks every worker in. Returns the
-        global step training starts from."""
+        """Claims the chief's role (trainer/sync/chief_lock.py), takes the
+        state on the ps tasks as it is where it is whole, else initializes
+        or restores; then asks every worker in. Returns the start step."""
         ops = self.g.chief
         if self.generation is not None:  # reconnecting: still the chief?
             self._check_still_chief()
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
             self.generation, lost, self._gone = (claim.generation, claim.lost,
-                                            claim.previous)
+                                                 claim.previous)
         else:
             self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 takeover.claim_wait(self.config))
         # A restore or refill is written outside the lock: a claimer that
-        # another claim overtook (both judged the chief lost at once) must
-        # not write over the state its successor trains from.
+        # another claim overtook must not write over its successor's state.
         self._check_still_chief()
-        # No restore where the ps tasks hold every variable and no write
-        # was cut short (TensorFlow's SessionManager would restore over
-        # them): without_ps.fill_what_was_lost says how.
+        # No restore over a whole state (without_ps.fill_what_was_lost).
         if not lost and without_ps.fill_what_was_lost(self.session, ops,
-                                                   self.take_back):
+                                                       self.take_back):
             step = int(self.session.run(self.g.handles.global_step))
             self.counted.kept(int(self.session.run(ops.record_from)))
             self._first_round = int(self.session.run(self.g.handles.round))
-            self._log_start(step, logdir)
+            me = self.task.cluster.describe("worker", self.k)
+            if self.taking_over:
+                logging.warning("%s took over the chief's work at step %d "
+                                "(%s); writing to %s", me, step,
+                                self.taking_over.reason, logdir.resolve())
+            else:
+                logging.info("%s goes on from the state on the ps tasks at "
+                             "step %d (nothing to restore)", me, step)
         else:
             if lost:
-                logging.warning("the last chief was lost inside a write to "
-                                "the ps tasks; restoring the newest "
-                                "checkpoint")
+                logging.warning("the last chief was lost inside a write to the"
+                                " ps tasks; restoring the newest checkpoint")
             step = self._initialize_or_restore(logdir)
         self.taking_over = None
         coord = self.g.coord
@@ -299,16 +267,6 @@ class Chief(WorkerRole):
             coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
-
-    def _log_start(self, step: int, logdir: pathlib.Path) -> None:
-        me = self.task.cluster.describe("worker", self.k)
-        if self.taking_over:
-            logging.warning("%s took over the chief's work at step %d (%s)"
-                            "; writing to %s", me, step,
-                            self.taking_over.reason, logdir.resolve())
-        else:
-            logging.info("%s goes on from the state on the ps tasks at "
-                         "step %d (nothing to restore)", me, step)
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         ops = self.g.chief
@@ -320,23 +278,20 @@ class Chief(WorkerRole):
                 ops.saver, self.session, logdir)
             self.session.run(ops.transient_init_op)
             self.session.run(ops.set_record_from)
-            self._copy_to_mirrors()
-            step = int(self.session.run(self.g.handles.global_step))
+        else:
+            self.session.run(ops.init_op)
+        if ops.refill:   # copies are not in checkpoints
+            self.session.run(ops.refill.copy_all)
+        step = int(self.session.run(self.g.handles.global_step))
+        if latest:
             logging.info("restored %s (global step %d)", restored, step)
             self.counted.restored(step)
         else:
-            self.session.run(ops.init_op)
-            self._copy_to_mirrors()
-            step = int(self.session.run(self.g.handles.global_step))
             self.counted.initialized(step)
             logging.info("initialized the parameters (no checkpoint in %s)",
                          logdir)
             self._save(logdir, step)
         return step
-
-    def _copy_to_mirrors(self) -> None:
-        if self.g.chief.refill:   # copies are not in checkpoints
-            self.session.run(self.g.chief.refill.copy_all)
 
     def _save(self, logdir: pathlib.Path, step: int) -> None:
         checkpoints.save(self.g.chief.saver, self.session, logdir, step)

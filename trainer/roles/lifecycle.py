@@ -1,10 +1,10 @@
 """What the chief and the other workers share: the work of their states
 (trainer/roles/states.py: `train`, `reconnect`), the one way to end it
 while it blocks (`interrupt`), a session that survives the loss of a ps
-task, and fast callables.
-"""
+task, and fast callables."""
 
 import abc
+import functools
 import os
 import threading
 import time
@@ -14,24 +14,18 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.cluster import ports
-from trainer.observe import tracing
-from trainer.roles import ending
-from trainer.roles import without_ps
-from trainer.roles import standby
-from trainer.roles import timing
-from trainer.roles.states import Event, How, Kind, Machine
-from trainer.roles import sessions
-from trainer.roles.sessions import close_within
-from trainer.roles import graph as worker_graph
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
-from trainer.learning.data import Mnist
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary, make_callable
+from trainer.learning.data import Mnist
+from trainer.observe import tracing
+from trainer.roles import ending, sessions, standby, timing, without_ps
+from trainer.roles import graph as worker_graph
+from trainer.roles.states import Event, How, Kind, Machine
 
-
-# Errors a task sees when a ps task died or restarted (connection refused,
-# session or graph handle gone, variables gone or not yet initialized).
+# Errors of a ps task dead or restarted (connection refused, session or
+# graph handle gone, variables gone or not yet initialized).
 PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
            tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
            tf.errors.CancelledError, tf.errors.InternalError)
@@ -40,52 +34,44 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
     Its threads post to `machine`, whose loop runs its work; the session
-    is swapped under `_lock`, since `interrupt` closes it from a thread."""
+    is swapped under `_lock`, since `interrupt` closes it from a thread.
+    graph: built beforehand (a spare chief's), or None to build; warmed: a
+    session on it for the first connect, or None."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, machine: Machine, as_chief: bool = False,
                  graph: worker_graph.WorkerGraph | None = None,
                  warmed: standby.Warmed | None = None):
-        """graph: built beforehand (a spare chief's), or None to build;
-        warmed: a session on it for the first connect, or None."""
         self.config, self.task, self.server = config, task, server
         self.mnist, self.machine = mnist, machine
         machine.attach(self.interrupt)
         self.k = task.task_index
-        self.train_steps = config.resolved_train_steps(
-            len(mnist.train_labels))
+        self.train_steps = config.resolved_train_steps(len(mnist.train_labels))
         self.session = None
         self.pushed = 0           # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
         self._lock = threading.Lock()
         self.last_progress = time.monotonic()
-        # The step of the latest token a worker other than the chief took
-        # (None before its first, and on the chief), named when it fails.
-        self.at_step = None
+        self.at_step = None   # our latest token's step (never the chief's)
         self.generation = None          # the chief's generation, once claimed
-        # A Warmed (session and loop made beforehand): the first connect
-        # takes it; a later connect (a new session) makes its own loop.
-        self._warmed = warmed
-        self._warm_loop = None
+        # The first connect takes `warmed`; a later one makes its own loop.
+        self._warmed, self._warm_loop = warmed, None
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
                      config.batch_size)
-        sizes = (len(mnist.train_labels), max(len(mnist.test_labels), 1))
-        self.g = graph or worker_graph.build_worker(
-            config, task, *sizes, self.train_steps, as_chief)
+        build = functools.partial(
+            worker_graph.build_worker, config, task, len(mnist.train_labels),
+            max(len(mnist.test_labels), 1), self.train_steps, as_chief)
+        self.g = graph or build()
         # With --ps_mirrors, the graphs without a ps (standby.py).
         self.graphs = standby.Graphs(
-            task, config, lambda ps_down: worker_graph.build_worker(
-                config, task, *sizes, self.train_steps, as_chief, ps_down),
-            lambda g, ps_down: standby.warm(
+            task, config, build, lambda g, ps_down: standby.warm(
                 config, task, server, g, without_ps.ps_tasks(task, ps_down)),
             ahead=as_chief)
 
     @abc.abstractmethod
     def run_connected(self) -> None:
-        """Trains to the end with an open session: the chief's and the
-        other workers' own part (trainer/roles/chief.py,
-        trainer/roles/worker.py)."""
+        """Trains to the end with an open session (chief.py, worker.py)."""
 
     def train(self) -> Event:
         """The work of WORKER and CHIEF (states.py): connects, trains to the
@@ -101,9 +87,8 @@ class WorkerRole(abc.ABC):
             return self._event_of(e)
 
     def _event_of(self, error: Exception) -> Event:
-        """What a failed run means. An event a thread posted meanwhile
-        (its interrupt made the run fail) is taken in its place by
-        Machine.outcome, unless this one is a RunFailed."""
+        """What a failed run means; Machine.outcome prefers an event posted
+        meanwhile (its interrupt failed the run) unless this is RunFailed."""
         if isinstance(error, RunFailed):
             return Event(Kind.FAILURE, str(error), error=error)
         if without_ps.changed(error):
@@ -111,20 +96,18 @@ class WorkerRole(abc.ABC):
         if not isinstance(error, PS_LOST):
             return Event(Kind.FAILURE, error_summary(error), error=error)
         first_line = error_summary(error)
-        if time.monotonic() - self.last_progress > (
-                self.config.startup_timeout_secs):
-            reason = (f"no training step succeeded for "
-                      f"{self.config.startup_timeout_secs:.0f} s "
+        timeout = self.config.startup_timeout_secs
+        if time.monotonic() - self.last_progress > timeout:
+            reason = (f"no training step succeeded for {timeout:.0f} s "
                       f"(--startup_timeout_secs); last error: {first_line}")
             return Event(Kind.FAILURE, reason, error=RunFailed(reason))
         return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
 
     def reconnect(self, cause: Event) -> Event:
         """The work of RECONNECTING: closes the broken session (the next
-        `train` connects again). After ps 0's outage (PS_BACK) the chief
-        counted this worker out: it joins again as a restarted one does,
-        and its silence is measured anew. Otherwise the run failed, and
-        the close's clean-up may wait on a ps that is gone: it is quick."""
+        `train` connects again). After ps 0's outage (PS_BACK) this worker
+        joins again as a restarted one does, its silence measured anew;
+        else the close may wait on a ps that is gone, so it is quick."""
         if cause.kind == Kind.PS_BACK:
             self.last_progress = time.monotonic()
             self.close_session()
@@ -133,17 +116,15 @@ class WorkerRole(abc.ABC):
         return Event(Kind.RECONNECTED, "the old session is closed")
 
     def interrupt(self, event: Event, how: How) -> None:
-        """The one way to end this role's blocked work, for an event
-        posted to its Machine (any thread). Closing the session cancels
-        the run the loop's thread is blocked in; the chief's halt ends
-        its loop at the next step boundary instead (ending.halt_loop)."""
+        """Ends this role's blocked work for an event posted to its Machine
+        (any thread): closing the session cancels the blocked run; the
+        chief's halt ends its loop at the next step boundary instead."""
         if how == How.AT_BOUNDARY:
             ending.halt_loop(self, self.session)
             return
         if how == How.NOW_OR_EXIT:
             # With ps 0 cut off, the close or the cancelled run can block
-            # as long as TCP retries the silent peer; then leaving is the
-            # only way to end the process.
+            # as long as TCP retries the silent peer: then only exit ends it.
             threading.Thread(target=self._exit_after_deadline,
                              args=(self.with_step(event.reason),),
                              daemon=True, name="give-up-deadline").start()
@@ -165,7 +146,7 @@ class WorkerRole(abc.ABC):
                 self.server.target, self.g.chief is not None)
         if down != self.g.ps_down:   # a session warmed on g is of no use
             if self._warmed:
-                close_within(self._warmed.session)
+                sessions.close_within(self._warmed.session)
             self.g, self._warmed = self.graphs.switch(self.g, down)
         wait_for_ps(self.task, timeout,
                     only=without_ps.ps_tasks(self.task, down))
@@ -182,30 +163,28 @@ class WorkerRole(abc.ABC):
         self.graphs.connected()
 
     def session_and_graph(self) -> tuple:
-        """(the session or None, the WorkerGraph), read together: another
-        thread may swap them (any thread)."""
+        """(the session or None, the WorkerGraph) at once (any thread)."""
         with self._lock:
             return self.session, self.g
 
     def close_session(self,
                       deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
-        """Closes the session, waiting at most `deadline` (close_within);
-        past it, this worker goes on without that session."""
+        """Closes the session, waiting at most `deadline`; past it, this
+        worker goes on without that session."""
         with self._lock:
             session, self.session = self.session, None
-        if session is not None and not close_within(session, deadline):
-            logging.warning("the old session did not close within %.0f s "
-                            "(a peer cut off or gone); going on without it",
-                            deadline)
+        if session is None or sessions.close_within(session, deadline):
+            return
+        logging.warning("the old session did not close within %.0f s (a "
+                        "peer cut off or gone); going on without it", deadline)
 
     def callable(self, fetches: dict, feeds=()):
         return make_callable(self.session, fetches, feeds)
 
     def loop_callable(self):
         """(start token int64 [4], count) -> the loop's outputs. With
-        --trace_steps=A:B, runs of steps that cross [A, B) are split so
-        that each step in it runs alone, traced (trainer/observe/tracing.py).
-        """
+        --trace_steps=A:B, runs that cross [A, B) are split so that each
+        step in it runs alone, traced (trainer/observe/tracing.py)."""
         feeds, bound = [self.g.start_token, self.g.num_steps], {}
         if self.g.chief:   # its loop writes only in its generation, claimed
             bound = {self.g.chief.generation: self.generation}
@@ -216,7 +195,6 @@ class WorkerRole(abc.ABC):
 
         def loop(token, count: int) -> dict:
             return made(token, count, *bound.values())
-
         if not (warmed or self.g.chief):
             # Its first run (0 steps: it only reads) before we join, so
             # that our first round waits for nothing more.
@@ -238,8 +216,7 @@ class WorkerRole(abc.ABC):
 
 
 def token_of(step: int) -> np.ndarray:
-    """The token of `step` with no round or slice (int64 [4]): what the
-    chief's loop starts from."""
+    """The token (int64 [4]) of `step`, no round or slice: a loop's start."""
     return np.array([step, 0, 0, 0], np.int64)
 
 
@@ -261,8 +238,7 @@ def poll_until(ready, timeout: float, waiting, failure) -> None:
 
 def wait_for_ps(task: Task, timeout: float,
                 only: list[int] | None = None) -> None:
-    """Waits until every ps task (or those in `only`) accepts
-    connections, logging progress."""
+    """Waits until every ps task (or those in `only`) accepts connections."""
     pending = list(range(task.cluster.num_ps)) if only is None else only
 
     def ready() -> bool:
@@ -272,7 +248,6 @@ def wait_for_ps(task: Task, timeout: float,
 
     def names() -> str:
         return ", ".join(task.cluster.describe("ps", i) for i in pending)
-
     poll_until(ready, timeout,
                lambda secs: f"waiting for {names()} to start: {secs:.0f} s",
                lambda: f"{names()} did not start within {timeout:.0f} s "

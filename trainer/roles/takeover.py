@@ -1,23 +1,7 @@
-"""The chief's work moves: claiming the chief's role, the chief's beat, and
-the watch by which the other workers find a lost chief.
-
-The chief's process beats: every timing.BEAT_SECS it adds one to the
-beats of its record on ps 0 (`sync/chief`: generation, worker index, beats;
-see trainer/sync/chief_lock.py). Every other worker watches that record
-beside its training runs, and calls the chief lost once the silence rule
-(liveness.lost) says so of its beats.
-
-Then the worker with the lowest index among the others in the roster
-posts CHIEF_LOST at once (trainer/roles/states.py); the next one a
-further --worker_timeout_secs later, in case the first is lost too; and
-so on. A claim made meanwhile by another worker shows as a new
-generation, which resets the watch. In the CLAIMING state the worker
-claims first, with a beat of its own (`Claim`), and then builds the
-chief's side in its process (run.Roles._claim), which can take long on
-a slow host: meanwhile the others see the new chief's beat and wait.
-The new chief goes on from the state on the ps tasks: no step is
-redone.
-"""
+"""The chief's work moves (docs/how-it-works.md#the-chiefs-work-moves): the
+claim of the chief's role, the chief's beat on its record on ps 0
+(trainer/sync/chief_lock.py), and the other workers' watch on that beat,
+which finds a lost chief and orders the claims (lowest index first)."""
 
 import dataclasses
 import time
@@ -25,16 +9,12 @@ from typing import Callable
 
 import tensorflow as tf
 
-from trainer.cluster import devices
-from trainer.cluster import ports
-from trainer.roles import liveness
-from trainer.roles import timing
-from trainer.roles.states import Event, Kind
-from trainer.roles import sessions
+from trainer.cluster import devices, ports
+from trainer.roles import liveness, sessions, timing
 from trainer.roles.background import BackgroundThread
+from trainer.roles.states import Event, Kind
 from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, GENERATION, INDEX, ChiefLock
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,26 +25,23 @@ class TakeOver:
 
 
 class BeatSession:
-    """The chief's beat, from a session of our own (sessions.Own:
-    a beat on the training session would queue behind its first runs
-    after each connect) that lives as long as the chief's role, across
-    connects. A beat lands only while the record is the beating chief's:
-    a chief deposed meanwhile keeps no successor's alive."""
+    """The chief's beat, from a session of its own across connects (on the
+    training session it would queue behind each connect's first runs); it
+    lands only while the record is the beater's: no successor kept alive."""
 
     def __init__(self, target: str, task, config):
         graph = tf.Graph()
         with graph.as_default():
             lock = ChiefLock(devices.ps_device(0))
-            self._generation = tf.compat.v1.placeholder(tf.int64, [],
-                                                        "generation")
+            self._generation = tf.compat.v1.placeholder(
+                tf.int64, [], "generation")
             self._beat = lock.beat_in(self._generation)
         # A beat later than this is as good as none to the others.
-        self._session = sessions.Own(target, graph, config, task, [0], int(
-            config.worker_timeout_secs * 1000))
+        self._session = sessions.Own(target, graph, config, task, [0],
+                                     int(config.worker_timeout_secs * 1000))
 
     def beat(self, generation: int) -> bool:
-        """Whether the beat landed; raises tf.errors.OpError if ps 0 does
-        not answer."""
+        """Whether it landed; raises tf.errors.OpError if ps 0 is silent."""
         return bool(self._session.run(self._beat,
                                       {self._generation: generation}))
 
@@ -73,18 +50,15 @@ class BeatSession:
 
 
 class Claim:
-    """A worker's claim of the chief's role, made before the worker builds
-    the chief's graph, with a beat of its own until `handed_over()` (once
-    the chief's BeatSession has landed a beat: ChiefBeat). generation, lost: as
-    `claim` returns them; previous: the worker index of the chief it
-    replaces. ps_down: the ps the worker's graph does without
-    (trainer/roles/without_ps.py), or None."""
+    """A worker's claim of the chief's role, made before it builds the
+    chief's graph; it beats on its own until `handed_over()` (ChiefBeat).
+    generation, lost: as `claim` returns them; previous: the index of the
+    chief it replaces; ps_down: the ps its graph does without, or None."""
 
     def __init__(self, target: str, task, config, index: int,
                  ps_down: int | None = None):
         self._session, self.lock = lock_session(
-            target, task, config,
-            generation_copy_device(config, ps_down))
+            target, task, config, generation_copy_device(config, ps_down))
         self.previous = int(self._session.run(self.lock.recorded)[INDEX])
         self.generation, self.lost = claim(self._session, self.lock, index,
                                            claim_wait(config))
@@ -98,11 +72,9 @@ class Claim:
 
 
 def lock_session(target: str, task, config, copy_device: str | None):
-    """(a session, the ChiefLock): a graph of the lock alone, for a worker
-    that claims or asks about the chief's role outside its own graph.
-    copy_device: where the generation's copy is (generation_copy_device),
-    or None for a session that only reads; the session uses ps 0 and that ps
-    only, so that a ps done without does not hold it up."""
+    """(a session, the ChiefLock) on a graph of the lock alone. copy_device:
+    the generation's copy (generation_copy_device), or None to only read.
+    It uses ps 0 and that ps only: a ps done without does not hold it up."""
     graph = tf.Graph()
     with graph.as_default():
         lock = ChiefLock(devices.ps_device(0), copy_device)
@@ -111,27 +83,22 @@ def lock_session(target: str, task, config, copy_device: str | None):
 
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
-    """Makes worker `index` the chief: takes the generation out of the lock and
-    puts back the next one. Returns (this chief's generation, lost), lost if a
-    claim found the lock empty for `wait_secs`: a chief was killed inside
-    a write, which may be half done, so the newest checkpoint must be
-    restored. A claim on a fresh ps 0 (the run's first, or after ps 0
-    was started again) finds no record and no generation, waits for none, and
-    goes on from the generation's copy where there is one."""
+    """Makes worker `index` the chief: takes the generation out of the lock
+    (a fresh ps 0 has none: its copy's, if any) and puts back the next.
+    Returns (it, lost): lost if the lock stayed empty `wait_secs`, a chief
+    killed inside a write, so the newest checkpoint must be restored."""
     previous, lost = 0, False
     if not session.run(lock.is_recorded):
         previous = int(session.run(lock.last_generation))
     else:
-        options = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(wait_secs * 1000))
+        options = tf.compat.v1.RunOptions(timeout_in_ms=int(wait_secs * 1000))
         try:
             previous = int(session.run(lock.take, options=options))
         except tf.errors.DeadlineExceededError:
             previous, lost = int(session.run(lock.recorded)[GENERATION]), True
-    generation = previous + 1
-    session.run(lock.put, {lock.generation_in: generation,
+    session.run(lock.put, {lock.generation_in: previous + 1,
                            lock.index_in: index})
-    return generation, lost
+    return previous + 1, lost
 
 
 def claim_wait(config) -> float:
@@ -140,10 +107,8 @@ def claim_wait(config) -> float:
 
 
 def deposed_by(session, lock, generation: int, options=None) -> int | None:
-    """The worker that claimed the chief's role after `generation`, or None:
-    a chief so deposed applied nothing since (trainer/sync/chief_lock.py).
-    A fresh ps 0 (no record yet) has no other chief. options: RunOptions
-    of the read, or None."""
+    """The worker that claimed the chief's role after `generation`, or None
+    (also on a fresh ps 0). options: RunOptions of the read."""
     try:
         recorded = session.run(lock.recorded, options=options)
     except tf.errors.FailedPreconditionError:
@@ -152,20 +117,13 @@ def deposed_by(session, lock, generation: int, options=None) -> int | None:
 
 
 class ChiefBeat(BackgroundThread):
-    """The chief's beat: beat() every timing.BEAT_SECS while the chief runs;
-    beat() returns False when it did not land (a deposed chief's).
-
-    claim: the Claim of a worker taking over, or None. Its beat stops
-    only once this one has landed (or this one stops): between the two,
-    a slow host's start (the summary writer, the callables) could leave
-    the record silent for --worker_timeout_secs, and another worker
-    would take over from a chief that is fine.
-    """
+    """Calls beat() every timing.BEAT_SECS once ours() says the role is
+    claimed; beat() returns False when it did not land (a deposed chief's).
+    claim: a takeover's Claim, or None; its beat stops only once this one
+    has landed (or stops), lest a slow start leave the record silent."""
 
     def __init__(self, beat: Callable[[], bool | None], claim=None,
                  ours: Callable[[], bool] = lambda: True):
-        """ours() says whether the chief's role is claimed yet: until it
-        is, nothing beats but the takeover's claim."""
         super().__init__("chief-beat", timing.BEAT_SECS, timing.BEAT_SECS * 4)
         self._beat, self._claim, self._ours = beat, claim, ours
 
@@ -199,7 +157,7 @@ class Judge:
     refuses: Callable[[int], bool]      # worker k's port refuses now
     starting: float = 0.0               # --startup_timeout_secs
     _seen: tuple | None = None     # (generation, beats) last seen
-    _start: tuple | None = None    # (generation, step) at its first reading
+    _start: tuple | None = None    # (generation, first step; None if moved)
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
@@ -220,7 +178,11 @@ class Judge:
             self.forget()
         chief = int(record[INDEX])
         seen = (int(record[GENERATION]), int(record[BEATS]))
-        self._note_start(seen[0], step)
+        if step is not None:   # a step that moved: the chief has started
+            if self._start is None or self._start[0] != seen[0]:
+                self._start = (seen[0], step)
+            elif step != self._start[1]:
+                self._start = (seen[0], None)
         if seen != self._seen or chief == self.me:
             self._seen, self._since, self._lost_at = seen, now, None
             return None
@@ -235,23 +197,10 @@ class Judge:
             return f"worker {chief} left: {self._why}"
         return None
 
-    def _note_start(self, generation: int, step: int | None) -> None:
-        """Keeps (generation, the step at its first reading), the step None
-        once it has moved: the chief has started."""
-        if step is None:
-            return
-        if self._start is None or self._start[0] != generation:
-            self._start = (generation, step)
-        elif step != self._start[1]:
-            self._start = (generation, None)
-
     def _limit(self) -> tuple:
-        """(the silence after which the chief is lost, its flag). A chief
-        that has taken no step since this worker first read its generation is
-        still starting: its first runs on fresh sessions have held its
-        beat back for longer than --worker_timeout_secs on a starved host
-        (docs/nemesis.md), so it is given --startup_timeout_secs. A port
-        that refuses is judged as fast either way."""
+        """(the silence after which the chief is lost, its flag): a chief
+        with no step since we first read its generation is still starting
+        and gets --startup_timeout_secs (docs/how-it-works.md)."""
         if (self._start is not None and self._start[1] is not None
                 and self.starting > self.timeout):
             return self.starting, "--startup_timeout_secs, in its start"
@@ -259,14 +208,13 @@ class Judge:
 
 
 class ChiefWatch(BackgroundThread):
-    """A worker's watch on the chief (a context manager around its
-    training runs): posts CHIEF_LOST once Judge says the chief is lost,
-    or ENDED_AWAY if it is gone after the last step (states.py)."""
+    """A worker's watch on the chief, around its training runs: posts
+    CHIEF_LOST once Judge calls the chief lost, or ENDED_AWAY if it is gone
+    after the last step. read: () -> (record int64 [3], roster bool [N],
+    global step int64 []) from ps 0; post: the worker's Machine.post."""
 
     def __init__(self, read: Callable[[], tuple], judge: Judge,
                  post: Callable[[Event], bool], train_steps: int):
-        """read: () -> (record int64 [3], roster bool [N], global step
-        int64 []) from ps 0; post: the worker's Machine.post."""
         super().__init__("chief-watch", timing.BEAT_SECS, timing.BEAT_SECS * 4)
         self._read, self._judge, self._post = read, judge, post
         self._train_steps = train_steps
@@ -284,9 +232,8 @@ class ChiefWatch(BackgroundThread):
         if reason is None:
             return None
         if step >= self._train_steps:
-            # The chief ended the run and exited while this worker was cut
-            # off or frozen (ps 0 has not exited yet): a chief now would
-            # wait for ps tasks that are gone.
+            # The chief ended the run and exited while we were cut off or
+            # frozen (ps 0 not yet gone): a chief now would wait for no ps.
             self._post(Event(Kind.ENDED_AWAY, (
                 f"the run ended at step {int(step)}, its last, while this "
                 "worker was away; nothing is left to do")))
@@ -303,8 +250,8 @@ def place_in_line(roster, chief: int, me: int) -> int:
 
 
 def generation_copy_device(config, ps_down: int | None = None) -> str | None:
-    """Where the chief's generation has a copy: with --ps_mirrors, where ps 0's
-    other state has its copies, unless that ps is down."""
+    """Where the chief's generation has a copy: with --ps_mirrors, where ps
+    0's other state has its copies, unless that ps is down."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
             and ps_down != mirrors.PS0_COPIES else None)
 
@@ -316,12 +263,10 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 
 
 def acting_chief(target: str, task, config) -> int | None:
-    """The worker that does the chief's work now, if its beat goes on
-    (read twice, timing.BEAT_SECS x 6 apart); None if none does, or ps 0 does
-    not answer (a first start: then there is none). Call it once ps 0
-    accepts connections: a chief started again while its own link is
-    still down must not take the role back from a worker that took it
-    over meanwhile."""
+    """The worker doing the chief's work now if its beat goes on (read twice,
+    timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent). Call it
+    once ps 0 accepts connections: a chief started again while its link is
+    down must not take the role back from a worker that took it over."""
     options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
     session, lock = lock_session(target, task, config, None)
     try:
