@@ -1,11 +1,8 @@
-"""The graph every worker builds: shared state, its replica, the step loop.
-
-Every worker builds the same shared part (parameters, the averaging
-protocol and the run's coordination on the ps tasks, found by name) and its
-own part on its device: its slice of the data and the training loop, whose
-body is the step (trainer/roles/step.py). The chief also builds the ops
-that start, stop, evaluate, checkpoint and end the run.
-"""
+"""The graph every worker builds: the same shared part on the ps tasks,
+found by name (parameters, the averaging protocol, the run's coordination),
+and its own on its device: its data and the training loop, whose body is
+the step (trainer/roles/step.py). The chief's also has the ops that start,
+stop, evaluate, checkpoint and end the run."""
 
 import dataclasses
 
@@ -31,9 +28,8 @@ from trainer.sync import transport as transport_lib
 
 
 def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
-    """What every worker must agree on with the chief: the cluster and the
-    settings TrainConfig declares WORKERS (trainer/common/config.py), as
-    words name=value, so that a worker can name the first that differs."""
+    """Words name=value every worker must agree on with the chief (so it
+    can name the first that differs): the cluster, the WORKERS settings."""
     c = task.cluster
     words = [f"ps={','.join(c.ps)}", f"workers={','.join(c.workers)}"]
     words += [f"{name}={value}" for name, value in
@@ -44,7 +40,6 @@ def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
 @dataclasses.dataclass
 class WorkerHandles:
     """Start-up and shut-down handles every worker has (on ps 0)."""
-
     ready: tf.Tensor              # bool []: the chief has initialized
     chief_fingerprint: tf.Tensor  # string []
     stop_reason: tf.Tensor        # string []: why the chief stopped
@@ -64,7 +59,6 @@ class WorkerHandles:
 @dataclasses.dataclass
 class ChiefOps:
     """What only the chief runs: set-up, evaluation, checkpoints, the end."""
-
     init_op: tf.Operation
     uninitialized: tf.Tensor          # string [n]: global variables not set
     transient_init_op: tf.Operation   # sync state a restore does not cover
@@ -82,8 +76,8 @@ class ChiefOps:
     deadlines: tuple | None           # take_deadlines; None: no deadlines
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
-    halt_op: tf.Tensor                # ends the loop at a step boundary
-                                      # (feed generation); int64 []: the global
+    halt_op: tf.Tensor                # int64 []: ends the loop at a step
+                                      # boundary (feed generation); the global
                                       # step then, or NOT_HALTED
     end_op: tf.Operation              # the final step to every worker
     generation: tf.Tensor             # feed int64 []: this chief's
@@ -101,15 +95,13 @@ class ChiefOps:
     stop_reason_in: tf.Tensor         # feed string []
     stop_op: tf.Operation             # sends STOP with stop_reason_in
     shutdown_status: tf.Tensor        # feed int32 []: 1 if the run failed
-    shutdown_ops: list                # (ps, enqueue) per ps serving: tells
-                                      # it to exit
+    shutdown_ops: list                # (ps, enqueue) per ps serving: exit
     refill: object = None             # sync/mirrors.Refill; None: no copies
 
 
 @dataclasses.dataclass
 class WorkerGraph:
     """What a worker's Python side runs; `chief` is None on other workers."""
-
     graph: tf.Graph
     coord: coordination.RunCoordination
     trainset: batches.InGraphTrainSet
@@ -119,74 +111,70 @@ class WorkerGraph:
     handles: WorkerHandles
     chief: ChiefOps | None
     lock: chief_lock.ChiefLock  # the chief claims it at start, and beats
-    ps_down: int | None = None  # the ps it does without (its shards are
-                                # served by their copies), or None
+    ps_down: int | None = None  # the ps it does without, or None
 
 
 def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                  num_test_examples: int, train_steps: int,
                  as_chief: bool | None = None,
                  ps_down: int | None = None) -> WorkerGraph:
-    """The graph of worker `task.task_index`: the chief's (worker 0's by
-    default; any worker's that takes over its work), or another's.
-    ps_down: a ps this graph does without, its shards served by their
+    """Worker `task.task_index`'s graph: the chief's (by default worker 0's)
+    or another's. ps_down: a ps it does without, its shards served by their
     copies (--ps_mirrors; never ps 0), or None."""
     cluster, k, num_ps = task.cluster, task.task_index, task.cluster.num_ps
     as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
-    with graph.as_default():
-        layout = params_lib.plan_shards(replica_lib.model_specs(config),
-                                        cluster.num_ps)
-        with tf.compat.v1.device(devices.variable_placement(cluster.num_ps,
-                                                            k)):
-            flat, shared = _parameters_and_state(config, cluster, layout,
-                                                 train_steps, ps_down)
-            turns = pull_turns_lib.PullTurns(
-                cluster.num_workers, shared.shard_devices,
-                config.ordered_pulls)
-            coord = coordination.RunCoordination(
-                shared, turns, fingerprint(config, task, train_steps),
-                chief=k if as_chief else 0)
-            lock = chief_lock.ChiefLock(
-                shared.shard_devices[0],
-                takeover.generation_copy_device(config, ps_down))
-            generation = lock.loop_generation
-            trainset, start_token, num_steps = _loop_inputs(
-                config, k, num_train_examples)
-            parts = step_lib.StepParts(
-                config, k, flat, shared,
-                transport_lib.Transport(shared, config.wire_dtype), turns,
-                trainset)
-            if as_chief:
-                rule = averaging.Averaging(shared, config.batch_size,
-                                           config.backup_workers,
-                                           config.slices, turns,
-                                           config.micro_batch_rows(),
-                                           chief=k, lock=lock,
-                                           generation=generation)
-                update = optim.ScheduledUpdate(config, train_steps)
-                mirrors = (_mirrors(config, num_ps, parts, train_steps)
-                           if ps_down is None else None)
-                step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
-            else:
-                step_body = step_lib.WorkerStep(parts)
-            loop_outputs = step_lib.training_loop(
-                shared, step_body, start_token, num_steps, train_steps,
-                as_chief, config.min_workers, lambda: lock.current(generation))
-            chief = (_chief_ops(config, num_ps, flat, rule, coord,
-                                update.optimizer, num_test_examples,
-                                mirrors) if as_chief else None)
-            g = WorkerGraph(graph, coord, trainset, start_token, num_steps,
-                            loop_outputs, _worker_handles(shared, coord, k),
-                            chief, lock, ps_down)
-        graph.finalize()
+    with graph.as_default(), tf.compat.v1.device(
+            devices.variable_placement(num_ps, k)):
+        flat, shared = _parameters_and_state(config, cluster, train_steps,
+                                             ps_down)
+        turns = pull_turns_lib.PullTurns(
+            cluster.num_workers, shared.shard_devices, config.ordered_pulls)
+        coord = coordination.RunCoordination(
+            shared, turns, fingerprint(config, task, train_steps),
+            chief=k if as_chief else 0)
+        lock = chief_lock.ChiefLock(
+            shared.shard_devices[0],
+            takeover.generation_copy_device(config, ps_down))
+        generation = lock.loop_generation
+        trainset, start_token, num_steps = _loop_inputs(
+            config, k, num_train_examples)
+        parts = step_lib.StepParts(
+            config, k, flat, shared,
+            transport_lib.Transport(shared, config.wire_dtype), turns,
+            trainset)
+        if as_chief:
+            rule = averaging.Averaging(
+                shared, config.batch_size, config.backup_workers,
+                config.slices, turns, config.micro_batch_rows(), chief=k,
+                lock=lock, generation=generation)
+            update = optim.ScheduledUpdate(config, train_steps)
+            mirrors = None   # --ps_mirrors' copies, with their own optimizer
+            if config.ps_mirrors and ps_down is None:
+                mirrors = mirrors_lib.Mirrors(
+                    flat.variables, flat.ps_indices, num_ps,
+                    optim.ScheduledUpdate(config, train_steps),
+                    shared.global_step)
+            step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
+        else:
+            step_body = step_lib.WorkerStep(parts)
+        loop_outputs = step_lib.training_loop(
+            shared, step_body, start_token, num_steps, train_steps,
+            as_chief, config.min_workers, lambda: lock.current(generation))
+        chief = (_chief_ops(config, num_ps, flat, rule, coord,
+                            update.optimizer, num_test_examples, mirrors)
+                 if as_chief else None)
+        g = WorkerGraph(graph, coord, trainset, start_token, num_steps,
+                        loop_outputs, _worker_handles(shared, coord, k),
+                        chief, lock, ps_down)
+    graph.finalize()
     return g
 
 
 def _loop_inputs(config: TrainConfig, k: int,
                  num_train_examples: int) -> tuple:
-    """On worker k: its training set in the graph, and the loop's feeds
-    (the start token, int64 [4]; at most how many steps, int64 [])."""
+    """On worker k: its training set in the graph, and the loop's feeds:
+    the start token, int64 [4]; at most how many steps, int64 []."""
     with tf.device(devices.worker_device(k)):
         trainset = batches.InGraphTrainSet(
             num_train_examples, config.seed, config.batch_size,
@@ -197,11 +185,12 @@ def _loop_inputs(config: TrainConfig, k: int,
     return trainset, start_token, num_steps
 
 
-def _parameters_and_state(config: TrainConfig, cluster, layout: list,
-                          train_steps: int, ps_down: int | None) -> tuple:
-    """(FlatParams, SharedState) of the shard layout, each shard on the
-    ps that serves it: its own, or its copy's while that one is down."""
+def _parameters_and_state(config: TrainConfig, cluster, train_steps: int,
+                          ps_down: int | None) -> tuple:
+    """(FlatParams, SharedState), each shard on the ps that serves it: its
+    own, or its copy's while that one is down."""
     num_ps = cluster.num_ps
+    layout = params_lib.plan_shards(replica_lib.model_specs(config), num_ps)
     flat = params_lib.FlatParams(
         layout, mirrors_lib.served_by_copies(ps_down, num_ps))
     shard_devices = [
@@ -210,18 +199,6 @@ def _parameters_and_state(config: TrainConfig, cluster, layout: list,
     return flat, state_lib.SharedState(
         cluster.num_workers, flat.sizes, shard_devices, train_steps,
         replica_lib.fixed_point_of(config), ps_down)
-
-
-def _mirrors(config: TrainConfig, num_ps: int, parts: step_lib.StepParts,
-             train_steps: int):
-    """--ps_mirrors' copies (trainer/sync/mirrors.py), with an optimizer
-    of their own; None without the flag."""
-    if not config.ps_mirrors:
-        return None
-    flat = parts.flat
-    return mirrors_lib.Mirrors(flat.variables, flat.ps_indices, num_ps,
-                               optim.ScheduledUpdate(config, train_steps),
-                               parts.shared.global_step)
 
 
 def _worker_handles(shared: state_lib.SharedState,
@@ -242,15 +219,13 @@ def _worker_handles(shared: state_lib.SharedState,
             leave_op=shared.send_event(state_lib.LEAVING, k),
             tokens_waiting=shared.tokens[k].size(),
             roster=shared.roster.read_value(),
-            next_token=shared.next_token(k),
-            pushed_in=pushed_in,
+            next_token=shared.next_token(k), pushed_in=pushed_in,
             finish_op=coord.report_finished(k, pushed_in))
 
 
 @dataclasses.dataclass
 class MembershipLog:
     """sync/membership_log on ps 0: read, and write(value_in)."""
-
     read: tf.Tensor            # string []: JSON of every record
     value_in: tf.Tensor        # feed string []
     write: tf.Operation        # the log = value_in
@@ -269,8 +244,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     init_op = tf.compat.v1.global_variables_initializer()
     shared = rule.shared
     with tf.device(shared.shard_devices[0]):
-        stop_reason_in = tf.compat.v1.placeholder(tf.string, [],
-                                                  "stop_reason")
+        stop_reason_in = tf.compat.v1.placeholder(tf.string, [], "stop_reason")
         lost_in = tf.compat.v1.placeholder(tf.int32, [], "lost_worker")
         late_in = (tf.compat.v1.placeholder(tf.int64, [], "late_step"),
                    tf.compat.v1.placeholder(tf.int64, [], "late_round"))
@@ -294,8 +268,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     eval_outputs, testset_init = replica_lib.evaluation(
         config, flat, values, num_test_examples)
     return ChiefOps(
-        generation=rule.generation,
-        init_op=init_op,
+        generation=rule.generation, init_op=init_op,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(transient),
         transient_inits={v.op.name: v.initializer for v in transient},
@@ -304,10 +277,8 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
                 if mirrors else None),
         start_op=coord.start_op(),
         mark_ready_op=coord.cluster_fingerprint.initializer,
-        absorb_op=rule.absorb_queued(),
-        membership=shared.take_membership(),
-        roster=shared.roster.read_value(),
-        slices=shared.slices.read_value(),
+        absorb_op=rule.absorb_queued(), membership=shared.take_membership(),
+        roster=shared.roster.read_value(), slices=shared.slices.read_value(),
         last_push=shared.last_push.read_value(),
         issued_round=shared.issued_round.read_value(),
         lost_in=lost_in, lost_op=shared.send_event(state_lib.LOST, lost_in),
@@ -315,12 +286,10 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         halt_op=coord.halt_op(rule.guarded), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,
         eval_outputs=eval_outputs, testset_init=testset_init,
-        param_values=flat.unflatten(values),
-        take_finished=take_finished, contributions=contributions,
-        by_step=by_step, record_from=record_from,
+        param_values=flat.unflatten(values), take_finished=take_finished,
+        contributions=contributions, by_step=by_step, record_from=record_from,
         set_record_from=set_record_from, stop_reason_in=stop_reason_in,
-        membership_log=_membership_log(shared),
-        stop_op=stop_op, shutdown_status=shutdown_status,
-        shutdown_ops=coord.shutdown_ops(
+        membership_log=_membership_log(shared), stop_op=stop_op,
+        shutdown_status=shutdown_status, shutdown_ops=coord.shutdown_ops(
             [i for i in range(num_ps) if i != shared.ps_down_here],
             devices.ps_device, shutdown_status))

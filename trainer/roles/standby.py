@@ -1,10 +1,7 @@
-"""A task's graphs on standby (--ps_mirrors): built, and warmed, before a
-ps goes down or comes back, since a starved host takes long to build a
-graph and to place it, and the run would stand still as long.
-
-Which graph a task uses at each connect is the choice of
-trainer/roles/without_ps.py; `Graphs.choose` asks it.
-"""
+"""A task's graphs on standby (--ps_mirrors): built and warmed before a ps
+goes down or comes back, since a starved host takes long to build and
+place a graph, and the run would stand still as long. Which one a task
+uses at each connect is trainer/roles/without_ps.py's choice."""
 
 import dataclasses
 import threading
@@ -19,27 +16,22 @@ from trainer.common.tf_session import error_summary, make_callable
 from trainer.roles import timing
 from trainer.roles import sessions
 from trainer.roles.background import ThreadCall
-from trainer.roles.sessions import close_within
 from trainer.roles.without_ps import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
 
 
-
 class Graphs:
     """A task's graphs by the ps they do without (None: every ps serves),
-    and which to use at each connect (`choose`). The one it leaves is
-    kept for its way back; the others are built on a thread once the
-    task is in the run. The chief warms those without a ps beforehand
-    (`warm`: a session, its loop placed on every task); another worker
-    warms one while it waits for the chief to do without that ps."""
+    and which to use at each connect (`choose`), each built once. The
+    chief warms those without a ps beforehand; another worker warms one
+    while it waits for the chief to do without that ps."""
 
     def __init__(self, task, config, build, warm=None, ahead=False):
         """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
-        Warmed or None, or None not to warm; ahead: warm the
-        graphs without a ps beforehand (the chief's)."""
+        Warmed or None (warm None: none is warmed); ahead: warm the graphs
+        without a ps beforehand (the chief's)."""
         self._task, self._config, self._build = task, config, build
         self._warm, self._ahead = warm, ahead
-        self._mirrored = config.ps_mirrors
         self._lock = threading.Lock()
         self._built = {}    # ps_down -> WorkerGraph
         self._warmed = {}   # ps_down -> Warmed, of this era
@@ -67,12 +59,11 @@ class Graphs:
         return down, (before if before not in (None, down) else None)
 
     def prebuild(self, current) -> ThreadCall | None:
-        """With --ps_mirrors, timing.BUILD_AHEAD_AFTER_SECS later on a
-        thread (which it returns): builds a graph without each ps but
-        ps 0, and one with every ps (those not built yet), and, serving
-        with every ps, warms those without one. Call it at each connect,
-        once in the run."""
-        if not self._mirrored:
+        """With --ps_mirrors, at each connect in the run: a thread that,
+        timing.BUILD_AHEAD_AFTER_SECS later, builds the graphs not built
+        yet (without each ps but ps 0; with every ps), and warms those
+        without a ps if `ahead` and every ps serves."""
+        if not self._config.ps_mirrors:
             return None
         with self._lock:
             self._built[current.ps_down] = current
@@ -81,22 +72,20 @@ class Graphs:
                   if d != current.ps_down]
 
         def build_all():
-            # Not at once: the task's own start (its loop placed, its
-            # callables made) holds the interpreter long on a starved
-            # host, and a build beside it would delay the chief's beat.
+            # Not at once: the task's own start holds the interpreter long
+            # on a starved host, and a build beside it would delay the beat.
             time.sleep(timing.BUILD_AHEAD_AFTER_SECS)
             for d in wanted:
                 graph = self._graph(d)
-                if self._ahead and d is not None and (
-                        current.ps_down is None):
+                if self._ahead and d is not None and current.ps_down is None:
                     self._keep(d, era, self._warm(graph, d))
 
         return ThreadCall(build_all, "graphs-without-a-ps")
 
     def _warm_now(self, down: int) -> None:
-        """Warms the graph without ps `down` on a thread, once a connect
-        (a worker, while the chief chooses), where ps 0 holds a run: at a
-        first start the chief waits for every ps."""
+        """A worker's, while the chief chooses: warms the graph without ps
+        `down` on a thread, once a connect, if ps 0 holds a run (at a first
+        start the chief waits for every ps)."""
         with self._lock:
             if self._warm is None or down in self._warming:
                 return
@@ -127,7 +116,7 @@ class Graphs:
             if warmed is not None and era == self._era:
                 self._warmed[down], warmed = warmed, None
         if warmed is not None:   # a connect came meanwhile
-            close_within(warmed.session)
+            sessions.close_within(warmed.session)
 
     def switch(self, current, down: int | None) -> tuple:
         """(the graph without ps `down` (None: with every ps), a Warmed
@@ -158,16 +147,14 @@ class Graphs:
             stale, self._warmed = list(self._warmed.values()), {}
             self._warming = {}
         for warmed in stale:
-            close_within(warmed.session)
+            sessions.close_within(warmed.session)
 
 
 @dataclasses.dataclass
 class Warmed:
-    """A session opened beforehand on a worker's graph (`warm`), with the
-    loop's callable made and placed on every task: loop(token, count),
-    and on a chief's loop(token, count, generation) and
-    absorb(generation), the generation given at each call once the role
-    is claimed."""
+    """A session opened beforehand on a worker's graph (`warm`), its loop's
+    callable made and placed on every task: loop(token, count), on a
+    chief's loop(token, count, generation) and absorb(generation)."""
 
     session: tf.compat.v1.Session
     loop: Callable
@@ -177,10 +164,9 @@ class Warmed:
 def warm(config, task, server, graph,
          ps_tasks: list[int] | None = None) -> Warmed | None:
     """A session on a worker's graph (a spare chief's, or one without a
-    ps: trainer/roles/without_ps.py) whose loop is made and placed on every
-    task by a run of 0 steps (it only reads), and, on a chief's, its
-    start prepared (`_prepare_start`); or None if that failed (a ps lost
-    meanwhile): the connect then does it. ps_tasks: those the graph uses
+    ps) whose loop is placed on every task by a run of 0 steps (it only
+    reads), and on a chief's its start prepared; or None if that failed (a
+    ps lost meanwhile): the connect does it. ps_tasks: those it uses
     (None: every one)."""
     session = sessions.open_session(server.target, graph.graph, config, task,
                                     ps_tasks)
@@ -195,18 +181,16 @@ def warm(config, task, server, graph,
     except tf.errors.OpError as e:
         logging.info("a loop was not placed beforehand: %s",
                      error_summary(e))
-        close_within(session)
+        sessions.close_within(session)
         return None
     return Warmed(session, loop, absorb)
 
 
 def _prepare_start(session, graph):
-    """Runs the reads of the chief's start (chief.py _claim_and_start)
-    once, since a session keeps each run's placement, which a starved
-    host takes seconds to make; returns the callable of its absorb (made,
-    not run: it acts on the queued events). A variable not set yet (a
-    spare chief before the run's start) fails its read, and the
-    placement is kept all the same."""
+    """Runs the reads of the chief's start (chief.py _claim_and_start) once,
+    since a session keeps each run's placement, which a starved host takes
+    seconds to make (a read of a variable not set yet fails, the placement
+    is kept all the same); returns its absorb's callable, made, not run."""
     for fetch in (graph.lock.recorded, graph.chief.uninitialized,
                   graph.handles.global_step, graph.chief.contributions,
                   graph.handles.round):

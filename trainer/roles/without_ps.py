@@ -1,24 +1,10 @@
-"""Which ps tasks serve the shards: every one, or, with --ps_mirrors, all
-but one that is down, whose shards are served by their copies on the next
-ps (trainer/sync/mirrors.py). Never ps 0: its queues and lock have no
-second home.
-
-The chief decides, each time it connects: a ps other than ps 0 whose
-port does not answer, while ps 0 holds a run and every other ps answers,
-is done without. Its graph then reads and writes that ps's shards through
-their copies, and it says so in `sync/ps_down` on ps 0 at its start. The
-other workers follow: each reads `sync/ps_down` when it connects and
-builds its graph alike. A push from a graph built otherwise is refused
-(trainer/sync/transport.py), so its worker connects again and follows.
-The graphs a task may switch to are built, and warmed, beforehand
-(trainer/roles/standby.py).
-
-While a ps is done without, the chief looks at its port every second; once
-it answers (started again, or its link back), the chief halts at the next
-step boundary and connects with every ps: every variable on that ps is
-set from the copies, whatever it holds (`Refill.take_back`), and it
-serves its shards again. A chief that takes over does the same for a ps
-its predecessor did without, which `sync/ps_down` names.
+"""Doing without a lost ps (--ps_mirrors; never ps 0, whose queues and lock
+have no second home): its shards are served by their copies on the next ps.
+The chief chooses at each connect and names that ps in `sync/ps_down` on
+ps 0; the other workers follow (a push from a graph built otherwise is
+refused: its worker connects again). Once that ps answers, the chief halts
+at a step boundary and takes it back, refilled from the copies. See
+docs/how-it-works.md#a-lost-ps-and-its-mirrors.
 """
 
 import contextlib
@@ -40,18 +26,18 @@ READ_MS = 5000     # the most a read of ps 0 waits
 
 def port_open(task, ps: int) -> bool:
     return ports.answer(task.cluster.ps[ps], timing.PS_PORT_CHECK_SECS,
-                       "--ps_hosts") == ports.OPEN
+                        "--ps_hosts") == ports.OPEN
 
 
 class Ps0Reader:
-    """A graph and session of our own on ps 0 (and nothing else): whether
-    it holds a run, and which ps the chief's graph does without."""
+    """A graph and session of our own on ps 0 alone: whether it holds a
+    run, and which ps the chief's graph does without. Each read raises
+    tf.errors.OpError if ps 0 does not answer."""
 
     def __init__(self, target: str, task, config):
         graph = tf.Graph()
         with graph.as_default(), tf.device(devices.ps_device(0)):
-            step = _like("global_step")
-            down = _like("sync/ps_down")
+            step, down = _like("global_step"), _like("sync/ps_down")
             self._held = tf.raw_ops.VarIsInitializedOp(resource=step.handle)
             self._down_set = tf.raw_ops.VarIsInitializedOp(
                 resource=down.handle)
@@ -60,8 +46,6 @@ class Ps0Reader:
                                      READ_MS)
 
     def holds_run(self) -> bool:
-        """Raises tf.errors.OpError if ps 0 does not answer (as does
-        ps_down)."""
         return bool(self._session.run(self._held))
 
     def ps_down(self) -> int | None:
@@ -73,36 +57,31 @@ class Ps0Reader:
 
 
 def _like(name: str) -> tf.Variable:
-    """A handle to ps 0's int64 [] variable `name` (never initialized
-    from here)."""
+    """A handle to ps 0's int64 [] variable `name` (never set from here)."""
     return tf.compat.v1.get_variable(
         name, [], tf.int64, initializer=tf.compat.v1.zeros_initializer(),
         use_resource=True, collections=[])
 
 
 def chief_choice(task, config, reader: Ps0Reader) -> int | None:
-    """The ps the chief does without, or None (wait for every ps, as
-    without mirrors): one ps other than ps 0 that does not answer, while
-    ps 0 holds a run and every other ps answers."""
+    """The ps the chief does without, or None (it waits for every ps): the
+    one ps, not ps 0, that does not answer, if ps 0 holds a run."""
     if not config.ps_mirrors:
         return None
-    silent = [i for i in range(task.cluster.num_ps)
-              if not port_open(task, i)]
+    silent = [i for i in range(task.cluster.num_ps) if not port_open(task, i)]
     if len(silent) != 1 or silent[0] == 0:
         return None
     try:
-        held = reader.holds_run()
+        return silent[0] if reader.holds_run() else None
     except tf.errors.OpError:
         return None
-    return silent[0] if held else None
 
 
 def worker_choice(task, reader: Ps0Reader, timeout: float,
                   expect=lambda down: None) -> int | None:
-    """What the chief chose, once every ps it uses answers (else waits,
-    reading it again: the chief may not have chosen yet). Calls
-    expect(k) while one ps k, not ps 0, does not answer: the chief will
-    likely do without it."""
+    """The chief's choice, once every ps it uses answers (till then read
+    again: the chief may not have chosen yet). Calls expect(k) while one
+    ps k, not ps 0, does not answer: the chief will likely do without it."""
     deadline, said = time.monotonic() + timeout, 0.0
     while True:
         try:
@@ -126,11 +105,10 @@ def worker_choice(task, reader: Ps0Reader, timeout: float,
 
 
 class PsWatch(BackgroundThread):
-    """The chief's eye on the ps tasks (--ps_mirrors). With every ps
-    serving: calls down(k) once ps k (not ps 0) refused connections at
-    two looks in a row, so that the chief need not wait for a run to
-    touch it (one blocked on a push would not). Doing without ps k:
-    calls back() once it answers. Once either is called, it stops."""
+    """The chief's eye on the ps ports, stopping once it calls either:
+    with every ps serving, down(k) once ps k (not ps 0) refused at two
+    looks in a row (a run blocked on a push would not see it); doing
+    without ps k, back() once it answers."""
 
     def __init__(self, task, ps_down: int | None, down, back):
         every = timing.PS_PORT_CHECK_SECS
@@ -157,9 +135,8 @@ class PsWatch(BackgroundThread):
 
 
 def ps_watch(chief):
-    """The chief's PsWatch (trainer/roles/chief.py), a context manager:
-    a ps gone down is done without at once, one done without that answers
-    again is taken back at a step boundary."""
+    """The chief's PsWatch (trainer/roles/chief.py), a context manager, or
+    a null one without --ps_mirrors."""
     if not chief.config.ps_mirrors:
         return contextlib.nullcontext()
 
@@ -176,9 +153,8 @@ def ps_watch(chief):
 
 def ps_tasks(task, down: int | None) -> list[int] | None:
     """The ps tasks a session uses: None (every one), or all but `down`."""
-    if down is None:
-        return None
-    return [i for i in range(task.cluster.num_ps) if i != down]
+    return None if down is None else [
+        i for i in range(task.cluster.num_ps) if i != down]
 
 
 def changed(error: Exception) -> bool:
@@ -188,13 +164,12 @@ def changed(error: Exception) -> bool:
 
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:
-    """Whether the chief goes on from the state on the ps tasks: they hold
-    every variable, once a ps started again is refilled from the mirrors
-    (a refilled ps 0's step record starts anew), and once the gradient
-    rows a graph moved to a copy's ps (ps_down) are started afresh.
-
-    ops: the chief's ChiefOps. take_back: a ps the last chief did without,
-    which this one uses: every variable on it is set from the copies."""
+    """Whether the chief goes on from the state on the ps tasks (ops: its
+    ChiefOps): every variable on `take_back` (a ps the last chief did
+    without, which this one uses) is set from the copies, a ps started
+    again is refilled from them (a refilled ps 0's step record starts
+    anew), and the gradient rows a graph moved to a copy's ps are started
+    afresh; then nothing may be missing."""
     if take_back is not None and ops.refill:
         ops.refill.take_back(session, devices.ps_device(take_back))
     if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
