@@ -1,21 +1,14 @@
-"""The chief's membership watch: who is in, who is lost, what it logs.
+"""The chief's membership watch (docs/how-it-works.md, Membership).
 
-The training loop runs inside the graph, so while the chief's session.run
-blocks, a member that died leaves its round waiting in the admission
-loop. This thread reads the round every timing.MEMBERSHIP_CHECK_SECS
-(the same session, concurrently) and reports a worker with a slice
-outstanding (`late`) lost, with a LOST event (the rule,
-trainer/sync/averaging.py, then plans the step again without it), once
-the silence rule (liveness.lost) says so of its pushes.
-
-Silence is counted per worker, from its last push of any round, so a
-dead backup worker, whose rounds end without it, is found too.
-
-It also logs every change the rule records (one line each), keeps them
-on ps 0 for results.json, writes the worker count and each slice to
-TensorBoard, and calls `on_unreachable` when ps 0 has not answered for
---worker_timeout_secs. (Below --min_workers the chief's training loop
-itself stops: trainer/roles/step.py.)
+While the chief's session.run blocks in the in-graph loop, a member that
+died leaves its round waiting. This thread reads the round every
+timing.MEMBERSHIP_CHECK_SECS (same session, concurrently) and reports
+lost (LOST; averaging.py plans the step again without it) a worker with
+a slice outstanding (`late`) once liveness.lost says so of its silence,
+counted from its last push of any round: a dead backup worker, whose
+rounds end without it, is found too. It also logs and keeps on ps 0 each
+roster change, writes TensorBoard scalars, and calls `on_unreachable`
+when ps 0 is silent for --worker_timeout_secs.
 """
 
 import dataclasses
@@ -35,7 +28,6 @@ from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
 
-
 @dataclasses.dataclass
 class _Round:
     step: int
@@ -52,17 +44,15 @@ class MembershipWatch(BackgroundThread):
     """A thread beside the chief's training runs (a context manager)."""
 
     def __init__(self, read: Callable, take_records: Callable,
-                 report_lost: Callable[[int], None], cluster,
-                 config, writer,
+                 report_lost: Callable[[int], None], cluster, config, writer,
                  on_unreachable: Callable[[int | None, str], None],
                  chief: int = 0, kept: tuple = ([], None)):
-        """read: () -> the fields of _Round (numpy values of the ops in
-        ChiefOps). take_records: () -> (step, kind, worker, members)
-        arrays. report_lost(worker) sends LOST for it. writer: a
-        FileWriter for membership scalars, or None. chief: the chief's
-        worker index (never reported lost). kept: (the records so far,
-        from ps 0; keep(records), which stores them there again), so that
-        they outlive this chief's connection and process."""
+        """read: () -> the fields of _Round (numpy, of ChiefOps' ops).
+        take_records: () -> (step, kind, worker, members) arrays.
+        report_lost(worker) sends LOST for it. writer: a FileWriter, or
+        None. chief: its worker index (never reported lost). kept: (the
+        records so far, from ps 0; keep(records), storing them there
+        again), so that they outlive this chief's connection and process."""
         every = timing.MEMBERSHIP_CHECK_SECS
         super().__init__("membership", every, every * 8)
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
@@ -84,9 +74,9 @@ class MembershipWatch(BackgroundThread):
         self.take_records()   # what the last rounds recorded
 
     def __exit__(self, kind, *rest):
-        # A run that failed may have told ps 0 to exit already (a halt
-        # saves, then shuts the ps tasks down): the last take then fails,
-        # and must not hide why the run ended.
+        # A failed run may have told ps 0 to exit already (a halt saves,
+        # then stops the ps tasks): the last take's failure must not hide
+        # why the run ended.
         try:
             self.stop()
         except Exception as e:  # noqa: BLE001 (re-raised on a clean exit)
@@ -96,9 +86,8 @@ class MembershipWatch(BackgroundThread):
                             "did not answer: %s)", error_summary(e))
 
     def write_last_slices(self) -> None:
-        """The last round's slices, at the run's end, once stopped: a
-        short run may end between two checks, or while slow reads kept
-        every check from writing."""
+        """The last round's slices, at the run's end, once stopped: a short
+        run may end between checks, or slow reads kept each from writing."""
         try:
             state = self._bounded_read()
         except TimeoutError:
@@ -110,8 +99,8 @@ class MembershipWatch(BackgroundThread):
             self._note_slices(state, always=True)
 
     def take_records(self) -> None:
-        """Keeps on ps 0, then logs, the roster changes recorded so far
-        (a change logged is kept, whatever happens to this chief next)."""
+        """Keeps on ps 0, then logs, the roster changes recorded so far (a
+        change logged is kept, whatever happens to this chief next)."""
         changes = [tuple(int(x) for x in change)
                    for change in zip(*self._take())]
         self.records += [{"step": step, "event": EVENT_NAMES[kind],
@@ -139,8 +128,8 @@ class MembershipWatch(BackgroundThread):
         """One check of the round; False once ps 0 was given up on."""
         now = time.monotonic()
         if now - self._last > timing.STALL_SECS:
-            # This process did not run (stopped, swapped out): the time
-            # lost is not the workers' silence.
+            # This process did not run (stopped, swapped out): that time
+            # is not the workers' silence.
             self._heard, self._failing_since = {}, None
         self._last = now
         try:
@@ -195,10 +184,10 @@ class MembershipWatch(BackgroundThread):
 
 
 def late(state: _Round, chief: int) -> list[int]:
-    """Workers in the roster (not `chief`) with a slice outstanding:
-    members of the round that have not pushed, and any other given a
-    token since its last push (a probe, or a member a round's deadline
-    left behind: benched, only this finds it if it died)."""
+    """Workers in the roster (not `chief`) with a slice outstanding: the
+    round's members that have not pushed, and any given a token since its
+    last push (a probe, or a member benched by a round's deadline: only
+    this finds it if it died)."""
     return [k for k in range(len(state.planned))
             if k != chief and state.roster[k] and (
                 (state.planned[k] and not state.admitted[k])

@@ -1,6 +1,5 @@
-"""Running one task of the cluster, the library entry point: `run(config,
-task)` runs a ps (ps.py), the chief (chief.py) or another worker
-(worker.py) to the end; `trainer.main` only parses flags and calls it."""
+"""The library entry point: `run(config, task)` runs one task, a ps
+(ps.py), the chief (chief.py) or another worker (worker.py), to the end."""
 
 import contextlib
 import threading
@@ -37,9 +36,8 @@ def run(config: TrainConfig, task: Task) -> None:
     if task.job_name == "ps":
         ps.serve(config, task, start_server(config, task))
         return
-    # Check the data and the logdir first: bad input should stop this task
-    # before its server is up. The chief writes the logdir; every worker
-    # writes its trace there when tracing.
+    # Bad input stops this task before its server is up. The chief writes
+    # the logdir; every worker writes its trace there when tracing.
     if task.is_chief or config.trace_steps:
         checkpoints.prepare_logdir(config.logdir)
     data_dir = data_lib.resolve_data_dir(config.data_dir)
@@ -56,19 +54,19 @@ def run(config: TrainConfig, task: Task) -> None:
     machine = states.Machine(f"worker {task.task_index}")
     with contextlib.ExitStack() as stack:
         roles = Roles(config, task, server, mnist, data_dir, machine, stack)
+        _running[:] = [roles]
         if machine.run(roles.work) is State.FAILED:
             roles.raise_failure()
 
 
 class Roles:
-    """The work of each state of this process (trainer/roles/states.py),
-    and `role`, the object doing it: a Worker, or a Chief once chosen or
-    claimed. Each work returns the Event the loop moves on."""
+    """The work of each state (trainer/roles/states.py), returning the
+    Event the loop moves on, and `role`, the object doing it: a Worker,
+    or a Chief once chosen or claimed. stack: an ExitStack open for the
+    whole loop (the chief's beat is entered on it)."""
 
     def __init__(self, config: TrainConfig, task: Task, server, mnist,
                  data_dir, machine: states.Machine, stack):
-        """stack: a contextlib.ExitStack open for the whole loop (the
-        chief's beat is entered on it)."""
         self.config, self.task, self.server = config, task, server
         self.mnist, self.data_dir = mnist, data_dir
         self.machine, self._stack = machine, stack
@@ -93,16 +91,16 @@ class Roles:
             return Event(Kind.CHOSEN, "the chief's work is this task's",
                          role=State.CHIEF)
         self.role = Worker(config, task, server, self.mnist, self.machine)
-        _running[:] = [self.role]
-        self._spare = _spare_chief(config, task, self.data_dir, self.role)
+        # The chief's side, for a takeover (none with one worker).
+        if task.cluster.num_workers > 1:
+            self._spare = SpareChief(config, task, self.data_dir, self.role)
         return Event(Kind.CHOSEN, "another task does the chief's work",
                      role=State.WORKER)
 
     def _claim(self, reason: str) -> Event:
-        """This worker takes over the chief's work, on the same server:
-        claims the role first, with a beat of its own (others then wait
-        for it, not claim too), then builds the chief's side (the spare's
-        graph, the test set, the logdir), which may take long."""
+        """Takes over the chief's work on this server: claims the role
+        first, with a beat of its own (others then wait for it, not claim
+        too), then builds the chief's side, which may take long."""
         worker, config = self.role, self.config
         claim = takeover.Claim(self.server.target, self.task, config,
                                worker.k, worker.g.ps_down)
@@ -118,12 +116,11 @@ class Roles:
 
     def _become(self, chief: Chief) -> None:
         self.role = chief
-        _running[:] = [chief]
         self._stack.enter_context(chief.beating())
 
     def raise_failure(self) -> None:
-        """Raises why the loop ended in FAILED: a RunFailed naming the
-        step this worker was at, or the error out of a state's work."""
+        """Raises why the loop ended in FAILED: the error out of a state's
+        work, or a RunFailed naming the step this worker was at."""
         cause = self.machine.cause
         if cause.error is not None and not isinstance(cause.error,
                                                       RunFailed):
@@ -134,9 +131,8 @@ class Roles:
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
-    """Whether another worker does the chief's work now (worker 0 started
-    again after a worker took over): then worker 0 joins as a worker.
-    Asked once every ps task answers, as the chief would wait anyway."""
+    """Whether another worker does the chief's work (worker 0 started
+    again after a takeover), asked once every ps task answers."""
     if task.cluster.num_workers == 1:
         return False
     lifecycle.wait_for_ps(task, config.startup_timeout_secs)
@@ -148,29 +144,13 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
     return True
 
 
-def _spare_chief(config: TrainConfig, task: Task, data_dir,
-                 worker: Worker) -> "SpareChief | None":
-    """The chief's side of this worker, for a takeover (None with one
-    worker: there is no one to take over from)."""
-    if task.cluster.num_workers == 1:
-        return None
-    return SpareChief(config, task, data_dir, worker)
-
-
 class SpareChief:
-    """The chief's graph of a worker that may take over the chief's work,
-    built ahead of need on a thread of its own: building it, and placing
-    its loop on every task, would hold up the run for as long as they
-    take once the chief is lost (tens of seconds on a starved host).
-
-    Building is Python that holds the interpreter, and on a small host it
-    comes out of the worker's own steps. So only the worker first in line
-    to take over (takeover.Judge's order: the lowest index in the roster
-    but the chief's) builds ahead, and only once it has been in the run
-    for timing.BUILD_AHEAD_AFTER_SECS; another worker builds when it
-    claims the role (`result`), or when it comes first in line. result()
-    is a tuple (Mnist with the test set, WorkerGraph, standby.Warmed or
-    None)."""
+    """The chief's graph of a worker that may take over, built ahead of
+    need on a thread of its own, but (as building takes from the worker's
+    steps) only by the worker first in line (takeover.Judge's order), once
+    in the run for timing.BUILD_AHEAD_AFTER_SECS; another builds when it
+    claims (`result`) or comes first (docs/how-it-works.md, spare chief).
+    result(): (Mnist with test set, WorkerGraph, standby.Warmed or None)."""
 
     def __init__(self, config: TrainConfig, task: Task, data_dir,
                  worker: Worker):
@@ -180,7 +160,7 @@ class SpareChief:
         self._call = ThreadCall(self._build, "spare-chief")
 
     def result(self) -> tuple:
-        """Builds at once if not built yet; waits for it."""
+        """Builds at once if not built yet, and waits for it."""
         self._now.set()
         return self._call.result()
 
@@ -200,10 +180,9 @@ class SpareChief:
             config, self._task, len(mnist.train_labels),
             len(mnist.test_labels), worker.train_steps, as_chief=True)
         # The variables the loop reads exist once the chief took us in.
-        if not joined:
-            return mnist, graph, None
-        return mnist, graph, standby.warm(config, self._task, worker.server,
-                                          graph)
+        warmed = (standby.warm(config, self._task, worker.server, graph)
+                  if joined else None)
+        return mnist, graph, warmed
 
 
 def _first_in_line(worker: Worker) -> bool:
@@ -220,33 +199,24 @@ def _first_in_line(worker: Worker) -> bool:
                                   worker.k) == 0
 
 
-_running = []            # the worker role of this process, once built
+_running = []            # this process's Roles, once made
 
 
 def terminate() -> float:
-    """On SIGTERM (from the main thread): a worker tells the chief it
-    leaves (at most timing.LEAVE_DEADLINE_SECS); the chief ends training at the
-    next step boundary, saves a checkpoint and stops every task. Returns
-    how long the caller should let the training thread finish: 0 to exit
-    at once."""
-    if not _running:
+    """On SIGTERM (main thread): a worker tells the chief it leaves (at
+    most timing.LEAVE_DEADLINE_SECS); the chief ends training at the next
+    step boundary, saves and stops every task. Returns how long to let the
+    training thread finish: 0 to exit at once."""
+    role = _running[0].role if _running else None
+    if role is None:
         return 0.0
-    role = _running[0]
     if isinstance(role, Chief):
         threading.Thread(target=role.halt, args=(
             "the chief was sent SIGTERM",), daemon=True).start()
         return processes.CHIEF_STOP_SECS
-    ThreadCall(lambda: _quietly(role.leave), "leave").done(
-        timing.LEAVE_DEADLINE_SECS)
+    ThreadCall(role.leave, "leave").done(timing.LEAVE_DEADLINE_SECS)
     logging.info("told the chief that this worker leaves")
     return 0.0
-
-
-def _quietly(call) -> None:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 (leaving anyway)
-        logging.warning("could not tell the chief: %s", e)
 
 
 def start_server(config: TrainConfig, task: Task):

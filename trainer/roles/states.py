@@ -1,27 +1,22 @@
 """A worker process's roles as one state machine: its states, the events
-that move it, the table between them, and the one loop that moves it.
+that move it, the table between them, and the loop that moves it.
 
     STARTING -> WORKER or CHIEF; WORKER -> CLAIMING -> CHIEF;
     WORKER, CHIEF -> RECONNECTING -> back to that role; any -> ENDED, FAILED
 
-The loop (`Machine.run`) does the work of the current state (a callable
-the role gives for each state; trainer/roles/run.py), which returns an
-Event, and `move` looks the next state up in TABLE and logs one line:
+`Machine.run` does the current state's work (given by run.py), which
+returns an Event; `move` takes the next state from TABLE and logs it:
 
     worker 1: worker -> claiming (worker 0 left: no beat for 10 s, --worker_timeout_secs)
 
-The threads beside a training run (a worker's watchdog and chief watch;
-the chief's membership watch and ps watch: trainer/roles/background.py)
-only `post` what they saw. While
-the state's work is blocked in a session.run, no event can be acted on
-until that run returns, so post() ends it the way HOW says: at once (the
-session is closed) or at the next step boundary (the chief's halt), with
-the one function the role gave (`interrupt`). The work then returns, the
-loop takes the posted event in place of the run's error, and moves. So
-every decision is the table's, taken on the loop; post() only chooses,
-when two threads post at once, the event of the higher priority (Kind's
-order). No TensorFlow here: tests/test_states.py drives the table with
-fake events.
+Threads beside a training run (background.py) only `post` what they saw.
+While the work blocks in a session.run nothing can act on it, so post()
+ends the run as HOW says, through the role's `interrupt`: at once (the
+session closed) or at the next step boundary (the chief's halt). The loop
+then takes the posted event in place of the run's error and moves: every
+decision is the table's, taken on the loop; post() only keeps, of two
+posted at once, the higher priority (Kind's order). No TensorFlow here:
+tests/test_states.py drives it with fake events.
 """
 
 import dataclasses
@@ -49,8 +44,8 @@ FINAL = (State.ENDED, State.FAILED)
 
 
 class Kind(enum.IntEnum):
-    """What happened. The first six are posted by a thread; of two
-    posted before the loop takes one, the lower value is kept."""
+    """What happened. Threads post the first six; of two posted before
+    the loop takes one, the lower value is kept."""
     CHIEF_LOST = 1       # the chief watch: the chief's beat stopped
     ENDED_AWAY = 2       # the chief watch: the run ended while we were away
     STALLED = 3          # the watchdog: no step for --startup_timeout_secs
@@ -81,8 +76,6 @@ HOW = {Kind.CHIEF_LOST: How.NOW, Kind.ENDED_AWAY: How.NOW,
        Kind.STALLED: How.NOW_OR_EXIT, Kind.PS_BACK: How.NOW,
        Kind.PS_DOWN: How.NOW, Kind.PS_UP: How.AT_BOUNDARY}
 
-_BACK = None   # RECONNECTING's next state: the role it reconnects as
-
 # (state, what happened) -> the next state. A pair not here is ignored
 # when posted (a thread late for its state) and a bug when returned.
 TABLE = {
@@ -105,7 +98,7 @@ TABLE = {
     (State.CHIEF, Kind.PS_LOST): State.RECONNECTING,
     (State.CHIEF, Kind.SERVING_CHANGED): State.RECONNECTING,
     (State.CHIEF, Kind.FAILURE): State.FAILED,
-    (State.RECONNECTING, Kind.RECONNECTED): _BACK,
+    (State.RECONNECTING, Kind.RECONNECTED): None,  # back to self.role
     (State.RECONNECTING, Kind.FAILURE): State.FAILED,
 }
 
@@ -121,8 +114,7 @@ class Event:
 
 
 class Interrupted(Exception):
-    """Raised by a role's work that finds an event posted (it stopped at
-    a step boundary for it): the loop takes that event."""
+    """A role's work stopped at a step boundary for a posted event."""
 
 
 class Machine:
@@ -130,8 +122,7 @@ class Machine:
 
     def __init__(self, who: str):
         """who: the task, as log lines name it ("worker 1")."""
-        self.who = who
-        self.state = State.STARTING
+        self.who, self.state = who, State.STARTING
         self.role: State | None = None      # WORKER or CHIEF, once chosen
         self.cause: Event | None = None     # the event of the last move
         self._pending: Event | None = None
@@ -139,14 +130,13 @@ class Machine:
         self._interrupt: Callable[[Event, How], None] = lambda e, how: None
 
     def attach(self, interrupt: Callable[["Event", How], None]) -> None:
-        """interrupt(event, how): the role's one way to end its blocked
-        work for a posted event."""
+        """interrupt(event, how): how the role ends its blocked work."""
         self._interrupt = interrupt
 
     def post(self, event: Event) -> bool:
-        """From a thread: records `event` and ends the blocked work as HOW
-        says. False (nothing done) if the current state has no row for
-        it, or an event of a higher priority is pending."""
+        """From a thread: records `event`, ends the blocked work as HOW says.
+        False (nothing done) if the state has no row for it, or an event
+        of higher priority is pending."""
         assert event.kind in POSTED, event
         with self._lock:
             if (self.state, event.kind) not in TABLE or (
@@ -162,10 +152,9 @@ class Machine:
             return self._pending
 
     def outcome(self, event: Event) -> Event:
-        """What the loop acts on, once the work returned `event`: the event
-        posted meanwhile, if any (its interrupt made the work fail), else
-        `event`. A work that ended (DONE) or failed for a reason of its
-        own (a RunFailed: the chief's halt, a deposed chief) keeps it."""
+        """What the loop acts on once the work returned `event`: the event
+        posted meanwhile (its interrupt failed the work), if any; but a
+        DONE, or a RunFailed of its own (halt, deposed chief), stands."""
         with self._lock:
             posted, self._pending = self._pending, None
         if event.kind == Kind.DONE or isinstance(event.error, RunFailed):
@@ -192,8 +181,8 @@ class Machine:
         return new
 
     def run(self, work: Callable[[State], Event]) -> State:
-        """The loop: work(state) for each state, until ENDED or FAILED. An
-        exception out of a state's work is its FAILURE."""
+        """work(state) for each state until ENDED or FAILED; an exception
+        out of a state's work is its FAILURE."""
         while self.state not in FINAL:
             try:
                 event = work(self.state)

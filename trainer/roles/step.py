@@ -1,16 +1,12 @@
 """One global step, as the chief and as any other worker runs it.
 
-Read `ChiefStep` top to bottom for a step: plan, pull, compute, push,
-admit, average, apply, count; or, if a member left before pushing, plan
-the step again among the others. The rule is in trainer/sync/averaging.py;
-moving the data in trainer/sync/transport.py; the optimizer and its
-learning rate in trainer/learning/optim.py; the replica's gradient in
-trainer/learning/replica.py.
+Read `ChiefStep` top to bottom: plan, pull, compute, push, admit, average,
+apply, count; or, if a member left before pushing, plan the step again
+among the others (the rule: trainer/sync/averaging.py).
 
-Both run as the body of `training_loop`, an in-graph tf.while_loop: one
-session.run executes many steps, since a distributed session.run costs far
-more than a small model's step (a RunGraph RPC to each ps, a new thread,
-cleanup RPCs).
+Both are the body of `training_loop`, an in-graph tf.while_loop: one
+session.run runs many steps, as a distributed session.run costs far more
+than a small model's step (a RunGraph RPC to each ps, a thread, cleanup).
 """
 
 import dataclasses
@@ -33,7 +29,6 @@ LOOP_PARALLEL_ITERATIONS = 4
 @dataclasses.dataclass
 class StepParts:
     """What a worker's step is built from."""
-
     config: TrainConfig
     k: int                          # this worker's index
     flat: params_lib.FlatParams     # the parameters, one variable per shard
@@ -44,13 +39,12 @@ class StepParts:
 
 
 def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
-    """Worker k's slice of a step: token = (step, round, first, end),
-    int64 [4] on ps 0. Returns the op that pushed its gradient (and passed
-    on its pull turns)."""
+    """Worker k's slice of a step; token: (step, round, first, end), int64
+    [4] on ps 0. Returns the op that pushed it and passed its pull turns."""
     k, step = parts.k, token[0]
     with tf.device(devices.worker_device(k)):
-        # Pull: wait for this worker's turn on each shard (only with
-        # --ordered_pulls), then read the parameters after step - 1.
+        # Pull: wait for our turn on each shard (--ordered_pulls), then
+        # read the parameters after step - 1.
         turns = parts.pull_turns.wait(k, step)
         token_here, shard_values = parts.transport.pull(
             token, parts.flat.variables, turns)
@@ -75,9 +69,9 @@ class ChiefStep:
         self.mirrors = mirrors   # sync/mirrors.py, or None
 
     def __call__(self, done, token, stats):
-        """Loop body: (steps done, token, stats sums) -> the same, one on."""
-        # Plan: slices for the members, tokens to the others; nothing more
-        # if a newer chief holds the lock (the loop then ends).
+        """Loop body: (steps done, token, stats sums) -> the same, one on.
+        Plan: slices for the members, tokens to the others; nothing more
+        if a newer chief holds the lock (the loop then ends)."""
         planned, own = self.rule.plan(token[0])
         return tf.cond(planned, lambda: self._round(done, own, stats),
                        lambda: (done, token, stats))
@@ -87,7 +81,7 @@ class ChiefStep:
         pushed = pull_compute_push(parts, own)
         with tf.device(parts.shared.shard_devices[0]):
             # A round planned is a beat: a chief whose loop runs is alive,
-            # also while a starved host keeps its beat thread waiting.
+            # even while a starved host keeps its beat thread waiting.
             beat = rule.lock.beat_op() if rule.lock else tf.no_op()
             # Admit: wait until every member pushed (or one left).
             with tf.control_dependencies([pushed, beat]):
@@ -96,14 +90,12 @@ class ChiefStep:
             def apply_step():
                 # Average: their sum over their examples, per shard on its ps.
                 mean_grads, step_stats = rule.average(verdict.rows)
-                # Apply: the optimizer (trainer/learning/optim.py) on each
-                # ps, and with mirrors the same to the copies.
+                # Apply: the optimizer on each ps (and on the mirrors).
                 if self.mirrors is None:
                     applied = self.update.apply(
                         step, list(zip(mean_grads, parts.flat.variables)))
                 else:
-                    applied = self.mirrors.apply(step, mean_grads,
-                                                 self.update)
+                    applied = self.mirrors.apply(step, mean_grads, self.update)
                 # Count: steps and examples per worker, global step + 1.
                 next_step = rule.count_and_advance(step, [applied])
                 if self.mirrors is not None:
@@ -131,9 +123,9 @@ class WorkerStep:
 
     def __call__(self, done, token, stats):
         pushed = pull_compute_push(self.parts, token)
-        # Statistics are the chief's business; keeping them off this loop
-        # saves a transfer per step. The next token comes once the chief
-        # plans the next round (or is STOP, REJOIN or the end).
+        # Stats are the chief's (off this loop: a transfer less per step).
+        # The next token comes once the chief plans the next round (or is
+        # STOP, REJOIN or the end).
         with tf.device(self.parts.shared.shard_devices[0]):
             with tf.control_dependencies([pushed]):
                 next_token = self.parts.shared.next_token(self.parts.k)
@@ -143,23 +135,20 @@ class WorkerStep:
 def training_loop(shared: state_lib.SharedState, step_body, start_token,
                   num_steps, train_steps: int, is_chief: bool,
                   min_workers: int, still_chief) -> dict:
-    """Runs from `start_token` (int64 [4]) inside one session.run, until
-    num_steps steps (slices, on a worker other than the chief), at
-    train_steps, at a token that is not work (STOP, REJOIN), or, on the
-    chief, when its Python side sets `halt`, fewer than min_workers are
-    in, or `still_chief()` (builds a bool [] on ps 0, read each step) is
-    false: a newer chief took over. Returns the fetches: steps_done
-    (int64 []), next_token (int64 [4]), stats (float32 [3] sums: examples
-    averaged, loss sum, correct; zeros off the chief) and, on the chief,
-    dropped (int64 [], stale gradients so far)."""
-    # The loop's control nodes (and so its condition) live on ps 0 with the
-    # step: per step only the condition, the parameters and the gradients
-    # cross between the worker and ps 0.
+    """Runs from `start_token` (int64 [4]) in one session.run until
+    num_steps steps (slices, off the chief), train_steps, a token that is
+    not work (STOP, REJOIN), or, on the chief, `halt` set, fewer than
+    min_workers in, or `still_chief()` (builds a bool [] on ps 0, read
+    each step) false: a newer chief took over. Returns the fetches:
+    steps_done (int64 []), next_token (int64 [4]), stats (float32 [3]
+    sums: examples averaged, loss sum, correct; zeros off the chief) and,
+    on the chief, dropped (int64 [], stale gradients so far)."""
+    # The loop's control nodes (and its condition) live on ps 0 with the
+    # step: per step only the condition, parameters and gradients cross.
     with tf.device(shared.shard_devices[0]):
         max_steps = tf.identity(num_steps)
 
-        def keep_going(done, token, stats):
-            del stats
+        def keep_going(done, token, _):
             step = token[0]
             go = tf.logical_and(done < max_steps,
                                 tf.logical_and(step >= 0, step < train_steps))

@@ -1,9 +1,6 @@
 """Workers other than the chief: wait for the chief, join, then compute
-and push a gradient for every slice the chief hands out, to the end.
-
-Each step is `WorkerStep` in trainer/roles/step.py; connecting and coming
-back after a lost ps is trainer/roles/lifecycle.py.
-"""
+and push a gradient for every slice the chief hands out, to the end (a
+step: step.py's `WorkerStep`; connecting, reconnecting: lifecycle.py)."""
 
 import time
 
@@ -18,7 +15,6 @@ from trainer.roles import timing
 from trainer.roles.lifecycle import WorkerRole, poll_until
 from trainer.roles.states import Event, Kind
 from trainer.sync import state
-
 
 
 class Worker(WorkerRole):
@@ -55,18 +51,16 @@ class Worker(WorkerRole):
         self.close_session()
 
     def _watchdog(self) -> watchdog_lib.Watchdog:
-        """Posts STALLED when the global step stays put: a worker cut off
-        from the cluster, or waiting on a stopped chief, waits as long as
-        a starting worker waits for its cluster (--startup_timeout_secs).
-        Posts PS_BACK when ps 0 answers again after --worker_timeout_secs
-        without an answer: the chief counted us out, so we join again."""
+        """Posts STALLED when the global step stays put for as long as a
+        starting worker waits for its cluster (--startup_timeout_secs): cut
+        off, or waiting on a stopped chief. Posts PS_BACK when ps 0 answers
+        after --worker_timeout_secs without: the chief counted us out."""
         h, cluster = self.g.handles, self.task.cluster
         timeout = self.config.startup_timeout_secs
         chief = cluster.describe("worker", 0)
 
         def read_progress():
-            with self._lock:
-                session = self.session
+            session, _ = self.session_and_graph()
             if session is None:
                 raise RunFailed("no session")
             step, admitted = session.run([h.global_step, h.admitted])
@@ -97,9 +91,8 @@ class Worker(WorkerRole):
             return_after_secs=self.config.worker_timeout_secs)
 
     def _chief_watch(self) -> takeover.ChiefWatch:
-        """Watches the chief's beat; if it stops, this worker may take
-        over the chief's work (trainer/roles/takeover.py): it posts
-        CHIEF_LOST, and the loop moves to CLAIMING."""
+        """Watches the chief's beat; posts CHIEF_LOST if this worker may
+        take over the chief's work (trainer/roles/takeover.py)."""
         read = self.callable({"record": self.g.lock.recorded,
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
@@ -115,10 +108,9 @@ class Worker(WorkerRole):
                                    self.train_steps)
 
     def _join(self, dog):
-        """Asks the chief in and waits for the first token (int64 [4]),
-        asking again every timing.JOIN_AGAIN_SECS while the roster does
-        not hold us (a LOST report about our previous self may have
-        overtaken the request), up to --startup_timeout_secs."""
+        """Asks the chief in; the first token (int64 [4]), within
+        --startup_timeout_secs. Asks again every timing.JOIN_AGAIN_SECS while
+        the roster lacks us (a LOST of our old self may overtake the ask)."""
         h = self.g.handles
         self.session.run(h.join_op)
         logging.info("worker %d asked the chief to take it in", self.k)
@@ -144,16 +136,18 @@ class Worker(WorkerRole):
         return token
 
     def leave(self) -> None:
-        """On SIGTERM: tell the chief we leave, so that it does not wait
-        out a timeout for our gradient. Any thread."""
-        with self._lock:
-            session = self.session
-        if session is not None:
-            session.run(self.g.handles.leave_op)
+        """On SIGTERM: tells the chief we leave, so that it does not wait
+        out a timeout for our gradient (any thread; failures logged)."""
+        session, g = self.session_and_graph()
+        try:
+            if session is not None:
+                session.run(g.handles.leave_op)
+        except Exception as e:  # noqa: BLE001 (leaving anyway)
+            logging.warning("could not tell the chief: %s", e)
 
     def _wait_for_chief(self) -> None:
-        """The handshake (trainer/sync/coordination.py): wait until the
-        chief marks the run ready, then compare its settings with ours."""
+        """The handshake (trainer/sync/coordination.py): waits until the
+        chief marks the run ready, then compares its settings with ours."""
         chief = self.task.cluster.describe("worker", 0)
         timeout = self.config.startup_timeout_secs
         poll_until(
