@@ -1,5 +1,5 @@
-"""The end of a run, on the chief: the workers' reports, and telling every
-ps task to exit. (The chief's side is trainer/roles/chief.py.)"""
+"""The end of a run, on the chief (trainer/roles/chief.py): the workers'
+reports, and telling every ps task to exit."""
 
 import time
 
@@ -13,11 +13,9 @@ from trainer.roles.states import Event, Kind
 from trainer.sync import coordination
 
 
-
 def collect_reports(session, ops, cluster, chief: int) -> dict:
-    """worker -> the gradients it says it pushed, reported as the workers
-    finish; waits (at most timing.FINISH_WAIT_SECS) only for those still in the
-    roster. ops: the ChiefOps; chief: our own worker index."""
+    """worker -> gradients it says it pushed, waiting (timing.FINISH_WAIT_SECS
+    at most) for those in the roster. ops: ChiefOps; chief: our index."""
     roster = session.run(ops.roster)
     expected = {k for k in range(len(roster)) if roster[k] and k != chief}
     reports = {}
@@ -40,29 +38,24 @@ def shut_down_ps(chief, failed: bool = False) -> None:
     for i, op in ops.shutdown_ops:
         try:
             chief.session.run(op, {ops.shutdown_status: int(failed)},
-                              options=_bounded())
+                              options=_bounded(timing.END_SECS))
         except tf.errors.OpError as e:
             logging.warning("could not tell %s to exit: %s",
                             cluster.describe("ps", i), error_summary(e))
 
 
 def end_failed_run(chief, reason: str) -> None:
-    """The run failed with `reason` where the chief decides it cannot go
-    on (the chief raises it next): fewer than --min_workers joined. The
-    chief is connected and beating, so every ps answers; still, a chief
-    deposed meanwhile must not end its successor's run, so it sends STOP
-    to the workers and tells every ps task to exit only once ps 0 says
-    the lock still holds its generation. Each message is bounded by
-    timing.END_SECS. Failures where the ps tasks do not answer cannot
-    tell them anything; a worker that takes over may still save such a
-    run."""
-    ops = chief.g.chief
+    """Ends a run the chief cannot go on with (too few workers joined; it
+    raises `reason` next): STOP, then every ps told to exit, each bounded
+    by timing.END_SECS, once ps 0 says the lock still holds our
+    generation, so that a deposed chief does not end its successor's."""
+    ops, options = chief.g.chief, _bounded(timing.END_SECS)
     try:
         if takeover.deposed_by(chief.session, chief.g.lock, chief.generation,
-                               _bounded()) is not None:
+                               options) is not None:
             return
         chief.session.run(ops.stop_op, {ops.stop_reason_in: reason},
-                          options=_bounded())
+                          options=options)
     except tf.errors.OpError as e:
         logging.warning("could not tell the workers that the run failed "
                         "(%s); the ps tasks are left serving",
@@ -71,16 +64,13 @@ def end_failed_run(chief, reason: str) -> None:
     shut_down_ps(chief, failed=True)
 
 
-def _bounded() -> tf.compat.v1.RunOptions:
-    return tf.compat.v1.RunOptions(
-        timeout_in_ms=int(timing.END_SECS * 1000))
+def _bounded(secs: float) -> tf.compat.v1.RunOptions:
+    return tf.compat.v1.RunOptions(timeout_in_ms=int(secs * 1000))
 
 
 def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
-    """Declared workers that never joined (a short run can end before
-    they are up) get up to timing.FINISH_WAIT_SECS to join, and are then
-    handed the end at once, so that they exit like the others.
-
+    """Hands the end to declared workers that join within
+    timing.FINISH_WAIT_SECS (a short run can end before they are up).
     absorb: () -> the roster after the queued joins (bool [N]); seen: the
     workers that joined, ourselves and the chief we took over from."""
     never = set(range(cluster.num_workers)) - seen
@@ -99,46 +89,37 @@ def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
 
 
 def on_ps0_silent(chief, step: int | None, who: str) -> None:
-    """ps 0 has not answered for --worker_timeout_secs: nothing can be
-    saved or sent through it, so the last checkpoint stands. Runs on
-    the membership watch's thread (the chief: trainer/roles/chief.py)."""
-    timeout = f"{chief.config.worker_timeout_secs:.0f} s"
+    """ps 0 has not answered for --worker_timeout_secs, so the last
+    checkpoint stands (on the membership watch's thread)."""
     at = "" if step is None else f" at step {step}"
-    # With other workers, this chief waits as they do: its blocked
-    # run fails once the connection gives up (cluster/devices.py), and
-    # it reconnects when ps 0 answers, going on as the chief unless a
-    # worker that could reach ps 0 took over meanwhile (then it exits
-    # with one line: Chief._check_still_chief).
+    what = (f"{who} for {chief.config.worker_timeout_secs:.0f} s "
+            f"(--worker_timeout_secs){at}")
+    # With other workers, wait as they do: the blocked run fails once the
+    # connection gives up, and we reconnect when ps 0 answers, still the
+    # chief unless a worker took over meanwhile (_check_still_chief).
     if chief.task.cluster.num_workers > 1:
-        logging.warning("%s for %s (--worker_timeout_secs)%s; waiting "
-                        "for it", who, timeout, at)
+        logging.warning("%s; waiting for it", what)
         return
-    # Alone, nothing can go on without this chief: even when the stop
-    # cannot be sent, the ps tasks must exit.
+    # Alone, nothing goes on without us: the ps tasks must exit.
     shut_down_ps(chief, failed=True)
     chief.machine.post(Event(Kind.STALLED, (
-        f"{who} for {timeout} (--worker_timeout_secs){at}; stopped; start "
-        "every task again with the same flags to continue from the last "
-        "checkpoint")))
+        f"{what}; stopped; start every task again with the same flags to "
+        "continue from the last checkpoint")))
 
 
 def halt_loop(chief, session, reason: str | None = None) -> None:
-    """Sets the halt: the chief's loop ends at the next step boundary
-    (Chief.halt, or a posted PS_UP; any thread). Refused where another
-    worker claimed the role since this chief's claim (chief_lock.py):
-    the halt is shared, and a chief deposed while out of reach must not
-    end its successor's loop. The lock may be lost: the wait is bounded.
-    reason: what to log, or None to log nothing."""
+    """Sets the halt: the chief's loop ends at the next step boundary (any
+    thread). Shared, so refused if another worker claimed the role since
+    our claim; bounded, as the lock may be lost. reason: what to log."""
     ops = chief.g.chief
     if chief.generation is None:   # not claimed yet: the loop has not begun
         if reason:
             logging.warning("%s before training began: stopping", reason)
         return
+    options = _bounded(chief.config.worker_timeout_secs)
     try:
         at = int(session.run(ops.halt_op, {ops.generation: chief.generation},
-                             options=tf.compat.v1.RunOptions(timeout_in_ms=(
-                                 int(chief.config.worker_timeout_secs
-                                     * 1000)))))
+                             options=options))
     except Exception as e:  # noqa: BLE001 (the run has failed: it ends)
         if reason:
             logging.warning("could not halt the training loop: %s",

@@ -1,6 +1,5 @@
-"""The silence rule, written once for every task that another one
-watches: the chief watching its members' pushes (membership.py), and
-the workers watching the chief's beat (takeover.Judge)."""
+"""The silence rule for every watched task: the chief's members
+(membership.py) and the chief's beat (takeover.Judge)."""
 
 from typing import Callable
 
@@ -9,14 +8,10 @@ from trainer.roles import timing
 
 def lost(silent: float, limit: float, flag: str, what: str,
          refuses: Callable[[], bool]) -> str | None:
-    """Why a task silent for `silent` seconds is lost, or None.
-
-    Lost once silent for `limit` seconds (set by `flag`, named in the
-    reason: "no gradient for 120 s, --worker_timeout_secs"), or for
-    timing.REFUSED_AFTER_SECS while its port refuses connections: its
-    process is gone. A host cut off, frozen or starved does not refuse,
-    so only the limit tells those. refuses() is asked only in that
-    window, since it costs a connection attempt."""
+    """Why a task silent for `silent` seconds is lost, or None: after
+    `limit` (set by `flag`), or after timing.REFUSED_AFTER_SECS if its port
+    refuses connections (its process is gone; a host cut off or frozen
+    does not refuse). refuses() costs a connection: asked only then."""
     if silent >= limit:
         return f"no {what} for {limit:.0f} s, {flag}"
     if silent >= timing.REFUSED_AFTER_SECS and refuses():

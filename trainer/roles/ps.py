@@ -15,16 +15,11 @@ from trainer.roles import sessions
 from trainer.roles import timing
 
 
-
 def serve(config: TrainConfig, task: Task, server) -> None:
     """Serves variables until the chief puts an element in our queue.
-
-    `server.join()` would never return; instead the ps looks at its
-    shutdown queue a few times a second, so that signals get through, and
-    takes the element only once it is there. A blocking dequeue with a
-    RunOptions timeout could lose it, taken just as the deadline passed,
-    and the ps served on forever (one on a host starved by a worker did).
-    """
+    Polls the queue's size (not `server.join()`, which never returns, so
+    that signals get through) and dequeues only once it is there: a
+    dequeue with a timeout could take it just as the deadline passed."""
     graph = tf.Graph()
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):
         queue = coordination.shutdown_queue(task.task_index)

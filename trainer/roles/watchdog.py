@@ -1,18 +1,8 @@
-"""Noticing a stalled cluster while a long session.run blocks.
-
-A worker that died leaves the chief's in-graph loop waiting in admission
-and the others waiting for tokens (trainer/roles/background.py). A
-Watchdog thread reads the global step and the admissions of the current
-step every few seconds (the same session, concurrently), warns while the
-step stands still, naming the workers whose gradients have not arrived,
-and calls `on_timeout` once it has stood still for `timeout_secs`.
-
-A read that fails or takes longer than timing.READ_DEADLINE_SECS counts as a
-step that did not move: when ps 0 is cut off, the blocked training run may
-never fail by itself (TCP keeps retrying a silent peer), and the watchdog
-is then the only thing that ends it. The deadline is kept in Python: a
-RunOptions timeout did not end such a read here.
-"""
+"""A worker's watchdog over the global step while a run blocks (see "Lost
+worker" in docs/how-it-works.md). A read of ps 0 that fails or outlasts
+timing.READ_DEADLINE_SECS is no progress: with ps 0 cut off, the run may
+never fail by itself (TCP retries a silent peer), and a RunOptions
+timeout did not end such a read."""
 
 import contextlib
 import threading
@@ -25,12 +15,10 @@ from trainer.roles import timing
 from trainer.roles.background import BackgroundThread, ThreadCall
 
 
-
 class BoundedRead:
-    """Calls read() on a helper thread and waits for it at most
-    timing.READ_DEADLINE_SECS (else raises TimeoutError). While an
-    earlier call is still blocked, no new one starts: waiting on it
-    again counts as another failed read."""
+    """Calls read() on a helper thread, waiting at most
+    timing.READ_DEADLINE_SECS (else TimeoutError). While an earlier call
+    still blocks, none starts: waiting on it again is another failure."""
 
     def __init__(self, read: Callable):
         self._read, self._call = read, None
@@ -52,24 +40,18 @@ class Watchdog(BackgroundThread):
                  on_return: Callable[[float], None] | None = None,
                  return_after_secs: float = 0.0):
         """read_progress: () -> (global step, admitted flags per worker);
-        describe_missing: admitted flags -> who the step waits for.
-        on_timeout(step, who) is called once, from the thread, when the
-        step stood still for timeout_secs (step None: no read succeeded in
-        this busy period; who: `unreachable` if the last reads failed).
-        timeout_flag: the flag that sets timeout_secs, for the warnings.
-        on_return(seconds without an answer) is called once, from the
-        thread, when ps 0 answers again after at least return_after_secs
-        without (a worker whose link came back joins again:
-        trainer/roles/lifecycle.py)."""
+        describe_missing: admitted flags -> who the step waits for. Called
+        once, from the thread: on_timeout(step or None, who or
+        `unreachable`) when the step stood still for timeout_secs (set by
+        timeout_flag); on_return(seconds without an answer) when ps 0
+        answers after at least return_after_secs without."""
         every = timing.WATCHDOG_CHECK_SECS
         super().__init__("watchdog", every, every * 3)
         self._read = BoundedRead(read_progress)
-        self._describe = describe_missing
-        self._unreachable = unreachable
+        self._describe, self._unreachable = describe_missing, unreachable
         self._timeout, self._flag = timeout_secs, timeout_flag
-        self._on_timeout = on_timeout
         self._on_return, self._return_after = on_return, return_after_secs
-        self._busy = threading.Event()
+        self._on_timeout, self._busy = on_timeout, threading.Event()
         self._idle(time.monotonic())
 
     @contextlib.contextmanager
@@ -114,10 +96,9 @@ class Watchdog(BackgroundThread):
             self._on_timeout(step, self._describe(admitted))
             return False
         if self._next_warning is not None and now >= self._next_warning:
-            logging.warning(
-                "global step %d has not moved for %.0f s; waiting for "
-                "%s (giving up after %.0f s, %s)",
-                step, stalled, self._describe(admitted),
-                self._timeout, self._flag)
+            logging.warning("global step %d has not moved for %.0f s; "
+                            "waiting for %s (giving up after %.0f s, %s)",
+                            step, stalled, self._describe(admitted),
+                            self._timeout, self._flag)
             self._next_warning = now + timing.WARN_EVERY_SECS
         return None
