@@ -1,28 +1,10 @@
-"""Mirrors (--ps_mirrors): a copy of every ps's shards and their optimizer
-state on the next ps, updated by every step alike, so that a ps started
-again after it died is refilled from the copies instead of a checkpoint.
-
-Shard i, on ps p, has its copy `ps_mirror/shard_<i>` (float32 [n_i]) on ps
-(p + 1) % P, with the slots and other state (Adam's beta powers) of a
-second optimizer of the same rule. A step's averaged gradient of shard i
-is applied to both, inside the chief's guarded write (sync/chief_lock.py),
-so each copy holds its primary's bits. Copies are not in checkpoints:
-after an initialize or a restore every copy is set from its primary
-(`Refill.copy_all`).
-
-ps 0's own state has a copy on ps 1 as well: `ps_mirror/global_step`, set
-at the end of each step's write, and `ps_mirror/begun`, set to the step the
-write brings the run to at its start, before anything on ps 1 is
-written. Where the two differ, a write was cut
-short on ps 1. So a ps 0 started again is refilled where ps 1's copies are
-whole; its protocol state starts afresh (the workers join again), and so
-do its counts of dropped gradients and of steps by worker, as after a
-restore. The chief's generation has a copy too (sync/chief_lock.py).
-
-A ps other than ps 0 killed inside a write may leave it half done on the
-survivors; the chief lock tells (its generation was never put back), and the
-chief restores the newest checkpoint then, as without mirrors; so it does
-for a ps 0 lost inside a write, which the copies on ps 1 tell.
+"""Mirrors (--ps_mirrors): a copy of every ps's shards and optimizer state
+on the next ps, updated alike inside the chief's guarded write, so that a
+ps started again is refilled from the copies, not from a checkpoint
+(docs/how-it-works.md, "A lost ps, and its mirrors"). ps 0's step has two
+copies on ps 1: `begun`, set to the step a write brings the run to before
+anything on ps 1 is written, and `global_step`, set at its end. Where they
+differ a write was cut short, and ps 0 is not refilled (the chief restores).
 """
 
 from absl import logging
@@ -30,9 +12,8 @@ import tensorflow as tf
 
 from trainer.learning import optim
 
-# After "params/" in name order: Adam keeps its step state beside the
-# first of its variables by name, so a graph serving a shard from its
-# copy keeps it where the run's graph does (on the first primary's ps).
+# After "params/" by name: Adam keeps its step state beside its first
+# variable by name, so a graph serving a shard from its copy keeps it put.
 COPY_PREFIX = "ps_mirror/"
 PS0_COPIES = 1   # the ps task that keeps the copies of ps 0's state
 
@@ -48,8 +29,7 @@ def copy_name(primary_name: str) -> str:
 
 
 def serving_task(ps: int, ps_down: int | None, num_ps: int) -> int:
-    """The ps task that serves ps `ps`'s shards: itself, or the one with
-    their copies while it is down."""
+    """The ps task serving ps `ps`'s shards: itself, or its copies' one."""
     return copy_task(ps, num_ps) if ps == ps_down else ps
 
 
@@ -66,40 +46,34 @@ class Mirrors:
 
     def __init__(self, primaries: list, ps_indices: list[int], num_ps: int,
                  update: optim.ScheduledUpdate, global_step: tf.Variable):
-        """primaries: the shard variables (float32 [n_i]), shard i on ps
-        ps_indices[i]; update: a second optimizer of the run's rule;
-        global_step: int64 [] on ps 0."""
+        """primaries: the shards (float32 [n_i]), shard i on ps
+        ps_indices[i]; update: a second optimizer of the run's rule."""
         self.primaries, self.update = primaries, update
-        self.copies = []
+        self.global_step, self.copies = global_step, []
         for v, p in zip(primaries, ps_indices):
-            with tf.compat.v1.device(
-                    f"/job:ps/task:{copy_task(p, num_ps)}"):
-                self.copies.append(_copy(copy_name(v.op.name), v,
-                                         trainable=True))
-        self.global_step = global_step
+            with tf.compat.v1.device(f"/job:ps/task:{copy_task(p, num_ps)}"):
+                copy = _copy(copy_name(v.op.name), v, trainable=True)
+            self.copies.append(copy)
         with tf.compat.v1.device(f"/job:ps/task:{PS0_COPIES}"):
             self.step_copy = _copy(COPY_PREFIX + "global_step", global_step)
             self.begun = _copy(COPY_PREFIX + "begun", global_step)
 
     def apply(self, step: tf.Tensor, mean_grads: list,
               update: optim.ScheduledUpdate) -> tf.Operation:
-        """The step's update (mean_grads: float32 [n_i] per shard, on the
-        primaries' ps tasks) applied by `update` to the primaries and by
-        ours to the copies, each only once `begun` holds the step's end
-        on ps 1."""
+        """`update` (to the primaries) and ours (to the copies) of mean_grads
+        (float32 [n_i], where the primaries are), once `begun` is set."""
         with tf.device(self.begun.device):
             begun = self.begun.assign(step + 1, read_value=False)
         held = []
         for g in mean_grads:   # each where it is: no extra transfer
             with tf.device(g.device), tf.control_dependencies([begun]):
                 held.append(tf.identity(g))
-        return tf.group(
-            update.apply(step, list(zip(held, self.primaries))),
-            self.update.apply(step, list(zip(held, self.copies))))
+        return tf.group(update.apply(step, list(zip(held, self.primaries))),
+                        self.update.apply(step, list(zip(held, self.copies))))
 
     def advance(self, next_step: tf.Tensor) -> tf.Tensor:
-        """After the step's write on ps 0 (next_step: int64 [], the new
-        global step), its copy on ps 1: that write is whole there."""
+        """next_step (int64 [], the new global step) once copied to ps 1,
+        after the step's write on ps 0: that write is whole there."""
         with tf.device(self.step_copy.device), \
                 tf.control_dependencies([next_step]):
             copied = self.step_copy.assign(next_step, read_value=False)
@@ -107,16 +81,14 @@ class Mirrors:
             return tf.identity(next_step)
 
     def whole(self) -> tf.Tensor:
-        """bool []: no write was cut short on ps 1 (its copies of ps 0's
-        state are at one step)."""
+        """bool []: no write was cut short on ps 1 (`begun` == the step)."""
         with tf.device(self.begun.device):
             return tf.equal(self.begun.read_value(),
                             self.step_copy.read_value())
 
     def pairs(self, optimizer) -> list[tuple]:
-        """(primary, copy) of each variable mirrored: the shards, their
-        slots, then the optimizer's other state. Call after the step's
-        updates are built (they make the slots)."""
+        """(primary, copy) per mirrored variable; call once the step's
+        updates (which make the slots) are built."""
         mine = self.update.optimizer
         pairs = list(zip(self.primaries, self.copies))
         for name in optimizer.get_slot_names():
@@ -137,9 +109,8 @@ def _copy(name: str, like: tf.Variable, trainable=False) -> tf.Variable:
 
 
 def _other_state(optimizer, slotted: list) -> list:
-    """The optimizer's variables that are not slots of `slotted`, by name:
-    the two optimizers name theirs alike but for a suffix (beta1_power,
-    beta1_power_1), so the two orders match."""
+    """The optimizer's variables that are not slots of `slotted`, sorted by
+    name, in which the two optimizers differ by a suffix (beta1_power_1)."""
     slots = {optimizer.get_slot(v, n).op.name for v in slotted
              for n in optimizer.get_slot_names()}
     return sorted((v for v in optimizer.variables()
@@ -147,12 +118,10 @@ def _other_state(optimizer, slotted: list) -> list:
 
 
 class Refill:
-    """The chief's side: fills the variables a ps started again lost from
-    their partners, and sets every copy from its primary."""
+    """The chief's side: refills a ps from the partners of its variables."""
 
     def __init__(self, mirrors: Mirrors, pairs: list[tuple], afresh: list):
-        """pairs: mirrors.pairs(); afresh: the variables that start afresh
-        (the protocol's, and ps 0's count of dropped gradients)."""
+        """pairs: mirrors.pairs(); afresh: variables that start afresh."""
         self.fill, self.partner, self.device = {}, {}, {}
         for v in afresh:
             self.fill[v.op.name] = v.initializer
@@ -165,41 +134,34 @@ class Refill:
         self._ps0_step = mirrors.global_step.op.name
         self._whole = mirrors.whole()
         # After an initialize or a restore: each copy from its primary.
-        self.copy_all = tf.group(
-            [self.fill[b.op.name] for _, b in pairs] +
-            [self.fill[mirrors.begun.op.name]])
+        self.copy_all = tf.group([self.fill[b.op.name] for _, b in pairs]
+                                 + [self.fill[mirrors.begun.op.name]])
 
     def after_restart(self, session, uninitialized: tf.Tensor) -> bool:
-        """Fills what a ps started again lost from the copies, where each
-        variable it lost has a live one whole (then nothing is restored).
-        Returns whether ps 0's state was refilled: the step record then
-        starts afresh, as after a restore.
-
-        uninitialized: string [n], the variables not set on the ps tasks.
-        """
+        """Fills the variables a ps started again lost (uninitialized:
+        string [n]) if each has a live partner, whole. Returns whether ps
+        0's state was refilled (the step record then starts afresh)."""
         missing = [m.decode() for m in session.run(uninitialized)]
         fills = self.ops_for(missing) if missing else None
+        if not fills:
+            return False
         ps0 = self._ps0_step in missing
-        if fills and ps0 and not session.run(self._whole):
+        if ps0 and not session.run(self._whole):
             logging.warning("ps 0 was lost inside a step's write: its "
                             "copies on ps 1 are not whole")
             return False
-        if fills:
-            session.run(fills)
-            # Copies whose primary lived may be behind: none were written
-            # while a ps was done without (trainer/roles/without_ps.py).
-            session.run(self.copy_all)
-            where = sorted({self.device[m] for m in missing
-                            if m in self.device})
-            logging.warning("refilled %s from the mirrors: nothing restored",
-                            ", ".join(where))
-        return bool(fills) and ps0
+        session.run(fills)
+        # Copies whose primary lived may be behind: none were written while
+        # a ps was done without (trainer/roles/without_ps.py).
+        session.run(self.copy_all)
+        where = sorted({self.device[m] for m in missing if m in self.device})
+        logging.warning("refilled %s from the mirrors: nothing restored",
+                        ", ".join(where))
+        return ps0
 
     def take_back(self, session, device: str) -> None:
         """Sets every variable on `device` from its partner, whatever it
-        holds: a ps that was done without (trainer/roles/without_ps.py) may
-        have been cut off, not restarted, and hold the step it was cut
-        off at. Then every copy is set from its primary."""
+        holds (a ps done without may hold the step it was cut off at)."""
         session.run([self.fill[name] for name, on in self.device.items()
                      if on == device])
         session.run(self.copy_all)
@@ -214,8 +176,8 @@ class Refill:
         self.device[to.op.name] = to.device
 
     def ops_for(self, missing: list[str]) -> list | None:
-        """The fills for `missing` (variable names), or None where one has
-        no fill or its partner is missing too."""
+        """The fills for `missing` (names), or None if one has no fill or
+        its partner is missing too."""
         gone = set(missing)
         if any(m not in self.fill or self.partner.get(m) in gone
                for m in gone):

@@ -2,13 +2,12 @@
 
 import tensorflow as tf
 
-# Never full in practice: an enqueue that blocked would stall its sender.
-CAPACITY = 1 << 30
+CAPACITY = 1 << 30   # never full: a blocked enqueue would stall its sender
 
 
 def shared_queue(shared_name: str, dtypes: list, shapes: list):
-    """A FIFOQueue on the current device that every task building it with
-    the same shared_name addresses alike; its op is named after it."""
+    """A FIFOQueue on the current device, one for every task that builds it
+    with the same shared_name; its op is named after it."""
     return tf.queue.FIFOQueue(CAPACITY, dtypes, shapes=shapes,
                               shared_name=shared_name,
                               name=shared_name.replace("/", "_"))

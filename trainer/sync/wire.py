@@ -1,33 +1,10 @@
-"""The format parameters and gradients have on the ps <-> worker links.
-
-The ps tasks keep, accumulate and apply everything in float32. On a link
-whose bandwidth bounds the step (every step moves every parameter ps ->
-worker and every gradient worker -> ps), the values can cross in 16 bits
-instead, which halves the bytes:
-
-- `bfloat16` (recommended): float32's 8-bit exponent, so its range (to
-  3.4e38), with 8 significant bits: a relative error of at most 2^-8.
-- `float16`: 11 significant bits (error at most 2^-11), but a range of
-  only +-65504; values below 6e-5 lose precision and below 3e-8 become 0.
-  A worker's gradient SUM can pass 65504 and cross as inf; the update and
-  every later loss are then inf or NaN. Only for models whose gradient
-  sums are known to be small, and never faster than bfloat16.
-- `float32` (default): no cast at all; the graph is what it was before the
-  wire format existed.
-
-The ps rounds its shard to the wire dtype before sending it and turns the
-gradient rows back into float32 on arrival; the worker does the opposite
-(trainer/sync/transport.py). The update is the float32 mean of the
-wire-rounded gradient sums, computed on wire-rounded parameters.
-
-Fixed-point gradient sums (--deterministic, trainer/learning/fixed_point.py)
-are int32 and cross as they are, float32's bytes; they do not mix with a
-16-bit wire (trainer/common/config.py refuses it).
-
-Values that must stay exact (the int64 step, the float32 statistics) ride
-in the same tensors as the rounded values, their bits reinterpreted as
-16-bit elements by `tf.bitcast`: concat and slice copy bits unchanged, so
-they arrive exact even when a chunk happens to read as a 16-bit NaN.
+"""The format of parameters and gradients on the ps <-> worker links
+(--wire_dtype); the ps tasks keep, sum and apply float32. `bfloat16` has
+float32's range and 8 significant bits; `float16` 11 bits but a range of
++-65504, so a worker's gradient SUM can cross as inf (then every later
+loss is inf or NaN); `float32` adds no op. Fixed-point (int32) sums cross
+as they are. Exact values (the int64 token, float32 stats) ride in the
+same tensors as bits (`tf.bitcast`), which concat and slice copy as such.
 """
 
 import tensorflow as tf
@@ -41,8 +18,7 @@ assert tuple(DTYPES) == WIRE_DTYPES
 
 
 def wire_dtype(value) -> tf.DType:
-    """The wire dtype named by `value` (a tf.DType or its name); raises
-    UserError for anything but float32, bfloat16 or float16."""
+    """The DTYPES dtype `value` (a tf.DType or a name) names, or UserError."""
     try:
         dtype = tf.as_dtype(value)
     except (TypeError, ValueError):
@@ -54,19 +30,6 @@ def wire_dtype(value) -> tf.DType:
     return dtype
 
 
-def to_wire(values: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
-    """float32 [n] -> dtype [n], rounded to nearest even; no op for float32.
-    Build it on the sending device, so that the narrow tensor crosses."""
-    return values if dtype == tf.float32 else tf.cast(values, dtype)
-
-
-def from_wire(values: tf.Tensor) -> tf.Tensor:
-    """dtype [n] -> float32 [n] (exact); no op for float32. Build it on the
-    receiving device."""
-    return values if values.dtype == tf.float32 else tf.cast(values,
-                                                              tf.float32)
-
-
 def exact_size(dtype: tf.DType, num_elements: int, wire: tf.DType) -> int:
     """Wire elements that carry the bits of `num_elements` of `dtype`."""
     return num_elements * dtype.size // wire.size
@@ -74,8 +37,7 @@ def exact_size(dtype: tf.DType, num_elements: int, wire: tf.DType) -> int:
 
 def bits_to_wire(value: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     """The bits of `value` (int64 [] or [n], float32 [n]) as a wire [m]
-    vector, m = exact_size(value.dtype, elements, wire); `bits_from_wire`
-    restores `value` bit for bit."""
+    vector, m = exact_size(value.dtype, elements, wire)."""
     if value.dtype == wire:
         return value
     bits = tf.bitcast(value, wire)  # adds a last axis of size m / elements
