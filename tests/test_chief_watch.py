@@ -78,6 +78,28 @@ def test_a_chief_in_its_start_is_given_the_startup_timeout():
     assert "refuses" in refusing.update([2, 0, 0], ROSTER, 1.0, step=900)
 
 
+def test_a_chief_seen_stepping_is_not_in_its_start_after_a_reconnect():
+    """The worker keeps its Judge across reconnects (each watch calls
+    forget()): a chief it saw stepping, lost with a ps while this worker
+    reconnected, is judged by --worker_timeout_secs once the worker reads
+    its record again, not given --startup_timeout_secs as a starting chief
+    (nemesis seed 921). A new generation is starting again."""
+    j = takeover.Judge(1, 5.0, lambda k: False, starting=60.0)
+    assert j.update([2, 0, 0], ROSTER, 0.0, step=100) is None
+    assert j.update([2, 0, 1], ROSTER, 1.0, step=110) is None
+    j.forget()   # the reconnect; the chief is gone, its record unchanged
+    assert j.update([2, 0, 1], ROSTER, 200.0, step=110) is None
+    assert j.update([2, 0, 1], ROSTER, 204.9, step=110) is None
+    assert "no beat for 5 s, --worker_timeout_secs" in j.update(
+        [2, 0, 1], ROSTER, 205.0, step=110)
+    j.forget()
+    assert j.update([3, 2, 0], ROSTER, 300.0, step=110) is None
+    assert j.update([3, 2, 0], ROSTER, 359.9, step=110) is None
+    # Worker 0 is before us in line: it has --worker_timeout_secs first.
+    assert j.update([3, 2, 0], ROSTER, 360.0, step=110) is None
+    assert "in its start" in j.update([3, 2, 0], ROSTER, 365.0, step=110)
+
+
 def test_a_reading_held_up_by_ps_0_does_not_count_as_silence():
     """Seed 502 of the nemesis: ps 0 was stopped for 22 s; the watch's
     reading and the chief's beats waited alike, and the first reading

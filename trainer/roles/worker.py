@@ -18,6 +18,7 @@ from trainer.sync import state
 
 
 class Worker(WorkerRole):
+    judge: takeover.Judge | None = None   # the chief watch's, once made
 
     def run_connected(self) -> None:
         """Joins, then computes every slice the chief hands out, to the
@@ -96,15 +97,21 @@ class Worker(WorkerRole):
         read = self.callable({"record": self.g.lock.recorded,
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
-        judge = takeover.Judge(self.k, self.config.worker_timeout_secs,
-                               takeover.port_refuses(self.task.cluster),
-                               self.config.startup_timeout_secs)
+        # One Judge for the worker's life: a chief seen stepping before a
+        # reconnect is not "in its start" after it (it is lost, not slow to
+        # start, if its beat stays silent: nemesis seed 921). Silence is
+        # measured anew from the first reading of each watch.
+        self.judge = self.judge or takeover.Judge(
+            self.k, self.config.worker_timeout_secs,
+            takeover.port_refuses(self.task.cluster),
+            self.config.startup_timeout_secs)
+        self.judge.forget()
 
         def fetch():
             out = read()
             return out["record"], out["roster"], out["step"]
 
-        return takeover.ChiefWatch(fetch, judge, self.machine.post,
+        return takeover.ChiefWatch(fetch, self.judge, self.machine.post,
                                    self.train_steps)
 
     def _join(self, dog):
