@@ -12,10 +12,10 @@ import tensorflow as tf
 
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
-from trainer.observe import progress, summaries, tracing
-from trainer.observe import results as results_lib
-from trainer.roles import deadlines, ending, membership, states, takeover
-from trainer.roles import without_ps
+from trainer.observe import (progress, results as results_lib, summaries,
+                             tracing)
+from trainer.roles import (deadlines, ending, membership, states, takeover,
+                           without_ps)
 from trainer.roles.lifecycle import WorkerRole, poll_until, token_of
 from trainer.saving import checkpoints, export, storage
 from trainer.sync import step_record
@@ -63,8 +63,7 @@ class Chief(WorkerRole):
                                               self.k, True, writer)
         writer.close()
         counted = self.counted.total(self.session.run(ops.contributions))
-        # From the last initialize or restore, across takeovers: a step
-        # applied by two chiefs reads 2 (step_record.py).
+        # Since the last initialize or restore, across takeovers.
         record_from = int(self.session.run(ops.record_from))
         broken = step_record.save_and_check(
             logdir, self.session.run(ops.by_step), self.config.batch_size,
@@ -89,8 +88,7 @@ class Chief(WorkerRole):
 
     @contextlib.contextmanager
     def beating(self):
-        """The chief's beat from its claim to its end, across reconnects (a
-        takeover's claim beats until ours lands); run.py enters it."""
+        """The chief's beat from its claim to its end, across reconnects."""
         with contextlib.closing(takeover.BeatSession(
                 self.server.target, self.task, self.config)) as beats, \
                 takeover.ChiefBeat(lambda: beats.beat(self.generation),
@@ -131,14 +129,12 @@ class Chief(WorkerRole):
                 self, step, who), chief=self.k, kept=(kept, keep))
 
     def _round_deadlines(self):
-        """The deadline thread where rounds have them (Pace.deadlines)."""
         ops = self.g.chief
         return contextlib.nullcontext() if ops.deadlines is None else (
             deadlines.RoundDeadlines(self.session, ops.deadlines, ops.late_op,
                                      *ops.late_in))
 
     def _wait_for_workers(self, count: int) -> None:
-        """Takes in joined workers until `count` are in (bounded)."""
         timeout, members = self.config.startup_timeout_secs, [0]
 
         def ready() -> bool:
@@ -153,8 +149,7 @@ class Chief(WorkerRole):
                     "; start the others or lower --min_workers")
 
     def _absorb(self):
-        """Acts on the queued events now; the roster after (bool [N]). A
-        callable, made beforehand where warmed (joins wait on its making)."""
+        """Acts on queued events; the roster after (bool [N]); warmed ahead."""
         warmed = self._warm_loop
         if self._absorb_call is None:   # once a connect
             self._absorb_call = (warmed and warmed.absorb) or self.callable(
@@ -162,19 +157,16 @@ class Chief(WorkerRole):
         return self._absorb_call(self.generation)["roster"]
 
     def halt(self, reason: str) -> None:
-        """Ends training at the next step boundary with a checkpoint, then
-        stops every task: on SIGTERM (run.terminate's thread). The loop's
-        work then fails with its own RunFailed (_step_runner)."""
+        """On SIGTERM (any thread): ends training at the next step boundary
+        with a checkpoint, then stops every task (_step_runner's RunFailed)."""
         with self._lock:
             if self.halt_reason:
                 return
-            self.halt_reason = reason
-            session = self.session
+            self.halt_reason, session = reason, self.session
         ending.halt_loop(self, session, reason)
 
     def _step_runner(self, logdir: pathlib.Path):
-        """(start, count) -> loop outputs; a halted or stopped loop saves
-        where it ended and fails the run."""
+        """(start, count) -> loop outputs; a halted loop saves and fails."""
         loop = self.loop_callable()
 
         def run_steps(start: int, count: int) -> dict:
@@ -194,7 +186,13 @@ class Chief(WorkerRole):
                 f"{self.config.min_workers}"
                 if members < self.config.min_workers else None)
             if reason and start >= 0:
-                self._save_and_stop(logdir, start, reason)
+                ops = self.g.chief
+                try:
+                    self._save(logdir, start)
+                    self.session.run(ops.stop_op, {ops.stop_reason_in: reason})
+                except tf.errors.OpError as e:
+                    logging.warning("could not save or stop cleanly: %s",
+                                    error_summary(e))
                 ending.shut_down_ps(self, failed=True)
                 raise RunFailed(f"{reason}; saved a checkpoint at step "
                                 f"{start}; start every task again with the "
@@ -203,8 +201,7 @@ class Chief(WorkerRole):
         return run_steps
 
     def _check_still_chief(self, step: int | None = None) -> None:
-        """Raises RunFailed if another worker claimed the chief's role
-        (this one was cut off, frozen or starved meanwhile)."""
+        """Raises RunFailed if another worker claimed the role since ours."""
         index = takeover.deposed_by(self.session, self.g.lock, self.generation)
         if index is not None:
             at = "" if step is None else f" (at step {step} here)"
@@ -213,21 +210,9 @@ class Chief(WorkerRole):
                 f"the chief's work while this chief was out of reach{at}; "
                 "exiting: start this task again to join the run as a worker")
 
-    def _save_and_stop(self, logdir: pathlib.Path, step: int,
-                       reason: str) -> None:
-        ops = self.g.chief
-        with self.g.graph.as_default():
-            try:
-                self._save(logdir, step)
-                self.session.run(ops.stop_op, {ops.stop_reason_in: reason})
-            except tf.errors.OpError as e:
-                logging.warning("could not save or stop cleanly: %s",
-                                error_summary(e))
-
     def _claim_and_start(self, logdir: pathlib.Path) -> int:
-        """Claims the chief's role (trainer/sync/chief_lock.py), takes the
-        state on the ps tasks as it is where it is whole, else initializes
-        or restores; then asks every worker in. Returns the start step."""
+        """Claims the role; goes on from the ps tasks' state where whole, else
+        initializes or restores; asks every worker in. Returns the step."""
         ops = self.g.chief
         if self.generation is not None:  # reconnecting: still the chief?
             self._check_still_chief()
@@ -239,10 +224,8 @@ class Chief(WorkerRole):
             self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 takeover.claim_wait(self.config))
-        # A restore or refill is written outside the lock: a claimer that
-        # another claim overtook must not write over its successor's state.
+        # Restores and refills bypass the lock: none over a successor's.
         self._check_still_chief()
-        # No restore over a whole state (without_ps.fill_what_was_lost).
         if not lost and without_ps.fill_what_was_lost(self.session, ops,
                                                        self.take_back):
             step = int(self.session.run(self.g.handles.global_step))
@@ -262,9 +245,8 @@ class Chief(WorkerRole):
                                 " ps tasks; restoring the newest checkpoint")
             step = self._initialize_or_restore(logdir)
         self.taking_over = None
-        coord = self.g.coord
-        self.session.run(coord.set_storage_word, {
-            coord.storage_word_in: storage.mark(logdir)})
+        self.session.run(self.g.coord.set_storage_word, {
+            self.g.coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
 

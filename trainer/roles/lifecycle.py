@@ -1,7 +1,5 @@
-"""What the chief and the other workers share: the work of their states
-(trainer/roles/states.py: `train`, `reconnect`), the one way to end it
-while it blocks (`interrupt`), a session that survives the loss of a ps
-task, and fast callables."""
+"""What the chief and the other workers share: their states' work (`train`,
+`reconnect`), the one way to end it while it blocks (`interrupt`)."""
 
 import abc
 import functools
@@ -20,12 +18,11 @@ from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.learning.data import Mnist
 from trainer.observe import tracing
-from trainer.roles import ending, sessions, standby, timing, without_ps
-from trainer.roles import graph as worker_graph
+from trainer.roles import (ending, graph as worker_graph, sessions, standby,
+                           timing, without_ps)
 from trainer.roles.states import Event, How, Kind, Machine
 
-# Errors of a ps task dead or restarted (connection refused, session or
-# graph handle gone, variables gone or not yet initialized).
+# A ps task dead or restarted: refused, handles or variables gone or unset.
 PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
            tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
            tf.errors.CancelledError, tf.errors.InternalError)
@@ -33,10 +30,7 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
-    Its threads post to `machine`, whose loop runs its work; the session
-    is swapped under `_lock`, since `interrupt` closes it from a thread.
-    graph: built beforehand (a spare chief's), or None to build; warmed: a
-    session on it for the first connect, or None."""
+    `interrupt` closes the session from a thread: it is swapped under _lock."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, machine: Machine, as_chief: bool = False,
@@ -47,14 +41,13 @@ class WorkerRole(abc.ABC):
         machine.attach(self.interrupt)
         self.k = task.task_index
         self.train_steps = config.resolved_train_steps(len(mnist.train_labels))
-        self.session = None
+        self.session, self._lock = None, threading.Lock()
         self.pushed = 0           # gradients this worker pushed, all sessions
         self.traces = []          # (first step, steps, RunMetadata)
-        self._lock = threading.Lock()
         self.last_progress = time.monotonic()
         self.at_step = None   # our latest token's step (never the chief's)
         self.generation = None          # the chief's generation, once claimed
-        # The first connect takes `warmed`; a later one makes its own loop.
+        # A session on g warmed for the first connect; later ones make theirs.
         self._warmed, self._warm_loop = warmed, None
         self.in_the_run = threading.Event()  # taken in, or taking over
         logging.info("%d global steps of %d images", self.train_steps,
@@ -63,7 +56,6 @@ class WorkerRole(abc.ABC):
             worker_graph.build_worker, config, task, len(mnist.train_labels),
             max(len(mnist.test_labels), 1), self.train_steps, as_chief)
         self.g = graph or build()
-        # With --ps_mirrors, the graphs without a ps (standby.py).
         self.graphs = standby.Graphs(
             task, config, build, lambda g, ps_down: standby.warm(
                 config, task, server, g, without_ps.ps_tasks(task, ps_down)),
@@ -74,12 +66,10 @@ class WorkerRole(abc.ABC):
         """Trains to the end with an open session (chief.py, worker.py)."""
 
     def train(self) -> Event:
-        """The work of WORKER and CHIEF (states.py): connects, trains to the
-        end. Returns DONE, or the event of what ended it (`_event_of`)."""
+        """The work of WORKER and CHIEF: DONE, or the event that ended it."""
         try:
             self._connect()
-            # Saver.save and .restore build nothing here, but look at the
-            # default graph to decide between graph and eager mode.
+            # Saver.save and .restore pick graph mode by the default graph.
             with self.g.graph.as_default():
                 self.run_connected()
             return Event(Kind.DONE, "trained to the end")
@@ -87,15 +77,13 @@ class WorkerRole(abc.ABC):
             return self._event_of(e)
 
     def _event_of(self, error: Exception) -> Event:
-        """What a failed run means; Machine.outcome prefers an event posted
-        meanwhile (its interrupt failed the run) unless this is RunFailed."""
         if isinstance(error, RunFailed):
             return Event(Kind.FAILURE, str(error), error=error)
-        if without_ps.changed(error):
-            return Event(Kind.SERVING_CHANGED, error_summary(error))
-        if not isinstance(error, PS_LOST):
-            return Event(Kind.FAILURE, error_summary(error), error=error)
         first_line = error_summary(error)
+        if without_ps.changed(error):
+            return Event(Kind.SERVING_CHANGED, first_line)
+        if not isinstance(error, PS_LOST):
+            return Event(Kind.FAILURE, first_line, error=error)
         timeout = self.config.startup_timeout_secs
         if time.monotonic() - self.last_progress > timeout:
             reason = (f"no training step succeeded for {timeout:.0f} s "
@@ -104,10 +92,8 @@ class WorkerRole(abc.ABC):
         return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
 
     def reconnect(self, cause: Event) -> Event:
-        """The work of RECONNECTING: closes the broken session (the next
-        `train` connects again). After ps 0's outage (PS_BACK) this worker
-        joins again as a restarted one does, its silence measured anew;
-        else the close may wait on a ps that is gone, so it is quick."""
+        """The work of RECONNECTING: closes the session, quickly (a ps may be
+        gone) unless on PS_BACK, after which it joins anew, silence reset."""
         if cause.kind == Kind.PS_BACK:
             self.last_progress = time.monotonic()
             self.close_session()
@@ -116,15 +102,12 @@ class WorkerRole(abc.ABC):
         return Event(Kind.RECONNECTED, "the old session is closed")
 
     def interrupt(self, event: Event, how: How) -> None:
-        """Ends this role's blocked work for an event posted to its Machine
-        (any thread): closing the session cancels the blocked run; the
-        chief's halt ends its loop at the next step boundary instead."""
+        """Ends the blocked work for an event, as `how` says (any thread)."""
         if how == How.AT_BOUNDARY:
             ending.halt_loop(self, self.session)
             return
         if how == How.NOW_OR_EXIT:
-            # With ps 0 cut off, the close or the cancelled run can block
-            # as long as TCP retries the silent peer: then only exit ends it.
+            # Cut off from ps 0, the close or run can block for long: exit.
             threading.Thread(target=self._exit_after_deadline,
                              args=(self.with_step(event.reason),),
                              daemon=True, name="give-up-deadline").start()
@@ -148,13 +131,12 @@ class WorkerRole(abc.ABC):
             if self._warmed:
                 sessions.close_within(self._warmed.session)
             self.g, self._warmed = self.graphs.switch(self.g, down)
-        wait_for_ps(self.task, timeout,
-                    only=without_ps.ps_tasks(self.task, down))
-        warmed, self._warmed = self._warmed, None
-        self._warm_loop = warmed
+        ps_tasks = without_ps.ps_tasks(self.task, down)
+        wait_for_ps(self.task, timeout, only=ps_tasks)
+        warmed = self._warm_loop = self._warmed
+        self._warmed = None
         self.session = warmed.session if warmed else sessions.open_session(
-            self.server.target, self.g.graph, self.config, self.task,
-            without_ps.ps_tasks(self.task, down))
+            self.server.target, self.g.graph, self.config, self.task, ps_tasks)
         self.g.trainset.initialize(self.session, self.mnist.train_images,
                                    self.mnist.train_labels)
         if self.g.chief:
@@ -169,8 +151,7 @@ class WorkerRole(abc.ABC):
 
     def close_session(self,
                       deadline: float = timing.CLOSE_DEADLINE_SECS) -> None:
-        """Closes the session, waiting at most `deadline`; past it, this
-        worker goes on without that session."""
+        """Closes the session, going on without it after `deadline` s."""
         with self._lock:
             session, self.session = self.session, None
         if session is None or sessions.close_within(session, deadline):
@@ -182,22 +163,18 @@ class WorkerRole(abc.ABC):
         return make_callable(self.session, fetches, feeds)
 
     def loop_callable(self):
-        """(start token int64 [4], count) -> the loop's outputs. With
-        --trace_steps=A:B, runs that cross [A, B) are split so that each
-        step in it runs alone, traced (trainer/observe/tracing.py)."""
+        """(token int64 [4], count) -> outputs; split for --trace_steps."""
         feeds, bound = [self.g.start_token, self.g.num_steps], {}
         if self.g.chief:   # its loop writes only in its generation, claimed
             bound = {self.g.chief.generation: self.generation}
         warmed, self._warm_loop = self._warm_loop, None
-        # Made and placed beforehand on this session (standby.warm), or now.
         made = warmed.loop if warmed else self.callable(
             self.g.loop_outputs, [*feeds, *bound])
 
         def loop(token, count: int) -> dict:
             return made(token, count, *bound.values())
         if not (warmed or self.g.chief):
-            # Its first run (0 steps: it only reads) before we join, so
-            # that our first round waits for nothing more.
+            # Placed by a run of 0 steps (it only reads) before we join.
             loop(token_of(0), 0)
         if self.config.trace_range() is None:
             return loop
@@ -221,9 +198,8 @@ def token_of(step: int) -> np.ndarray:
 
 
 def poll_until(ready, timeout: float, waiting, failure) -> None:
-    """Calls ready() every timing.POLL_SECS until it returns true. Every
-    timing.PROGRESS_LOG_SECS logs waiting(seconds so far) (a line); after
-    `timeout` seconds raises RunFailed(failure())."""
+    """Polls ready() every timing.POLL_SECS until true, logging waiting(secs)
+    every PROGRESS_LOG_SECS; past `timeout` s raises RunFailed(failure())."""
     start = time.monotonic()
     next_log = start + timing.PROGRESS_LOG_SECS
     while not ready():
@@ -239,7 +215,7 @@ def poll_until(ready, timeout: float, waiting, failure) -> None:
 def wait_for_ps(task: Task, timeout: float,
                 only: list[int] | None = None) -> None:
     """Waits until every ps task (or those in `only`) accepts connections."""
-    pending = list(range(task.cluster.num_ps)) if only is None else only
+    pending = list(range(task.cluster.num_ps) if only is None else only)
 
     def ready() -> bool:
         pending[:] = [i for i in pending if ports.answer(

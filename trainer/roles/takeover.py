@@ -1,11 +1,9 @@
-"""The chief's work moves (docs/how-it-works.md#the-chiefs-work-moves): the
-claim of the chief's role, the chief's beat on its record on ps 0
-(trainer/sync/chief_lock.py), and the other workers' watch on that beat,
-which finds a lost chief and orders the claims (lowest index first)."""
+"""The chief's work moves (docs/how-it-works.md#the-chiefs-work-moves):
+the claim of its role, its beat on ps 0, and the others' watch on that."""
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
@@ -17,17 +15,15 @@ from trainer.sync import mirrors
 from trainer.sync.chief_lock import BEATS, GENERATION, INDEX, ChiefLock
 
 
-@dataclasses.dataclass(frozen=True)
-class TakeOver:
+class TakeOver(NamedTuple):
     """A worker taking over the chief's work: why, and its Claim."""
     reason: str
     claim: "Claim"
 
 
 class BeatSession:
-    """The chief's beat, from a session of its own across connects (on the
-    training session it would queue behind each connect's first runs); it
-    lands only while the record is the beater's: no successor kept alive."""
+    """The chief's beat from a session of its own across connects (why:
+    docs/how-it-works.md); it lands only in the beater's generation."""
 
     def __init__(self, target: str, task, config):
         graph = tf.Graph()
@@ -50,9 +46,8 @@ class BeatSession:
 
 
 class Claim:
-    """A worker's claim of the chief's role, made before it builds the
-    chief's graph; it beats on its own until `handed_over()` (ChiefBeat).
-    generation, lost: as `claim` returns them; previous: the index of the
+    """A worker's claim, made before it builds the chief's graph, beating
+    until `handed_over()`. generation, lost: from `claim`; previous: the
     chief it replaces; ps_down: the ps its graph does without, or None."""
 
     def __init__(self, target: str, task, config, index: int,
@@ -72,9 +67,7 @@ class Claim:
 
 
 def lock_session(target: str, task, config, copy_device: str | None):
-    """(a session, the ChiefLock) on a graph of the lock alone. copy_device:
-    the generation's copy (generation_copy_device), or None to only read.
-    It uses ps 0 and that ps only: a ps done without does not hold it up."""
+    """(session, ChiefLock) on the lock alone; uses only ps 0, copy_device."""
     graph = tf.Graph()
     with graph.as_default():
         lock = ChiefLock(devices.ps_device(0), copy_device)
@@ -84,9 +77,8 @@ def lock_session(target: str, task, config, copy_device: str | None):
 
 def claim(session, lock, index: int, wait_secs: float) -> tuple[int, bool]:
     """Makes worker `index` the chief: takes the generation out of the lock
-    (a fresh ps 0 has none: its copy's, if any) and puts back the next.
-    Returns (it, lost): lost if the lock stayed empty `wait_secs`, a chief
-    killed inside a write, so the newest checkpoint must be restored."""
+    (a fresh ps 0's: its copy's, if any), puts back the next. Returns (it,
+    lost): lost if the lock stayed empty `wait_secs` (killed in a write)."""
     previous, lost = 0, False
     if not session.run(lock.is_recorded):
         previous = int(session.run(lock.last_generation))
@@ -107,8 +99,7 @@ def claim_wait(config) -> float:
 
 
 def deposed_by(session, lock, generation: int, options=None) -> int | None:
-    """The worker that claimed the chief's role after `generation`, or None
-    (also on a fresh ps 0). options: RunOptions of the read."""
+    """Who claimed the role after `generation`, or None (a fresh ps 0 too)."""
     try:
         recorded = session.run(lock.recorded, options=options)
     except tf.errors.FailedPreconditionError:
@@ -117,10 +108,8 @@ def deposed_by(session, lock, generation: int, options=None) -> int | None:
 
 
 class ChiefBeat(BackgroundThread):
-    """Calls beat() every timing.BEAT_SECS once ours() says the role is
-    claimed; beat() returns False when it did not land (a deposed chief's).
-    claim: a takeover's Claim, or None; its beat stops only once this one
-    has landed (or stops), lest a slow start leave the record silent."""
+    """Calls beat() (False: it did not land) every timing.BEAT_SECS once
+    ours(); a takeover's `claim` beats on until ours lands (or stops)."""
 
     def __init__(self, beat: Callable[[], bool | None], claim=None,
                  ours: Callable[[], bool] = lambda: True):
@@ -128,10 +117,8 @@ class ChiefBeat(BackgroundThread):
         self._beat, self._claim, self._ours = beat, claim, ours
 
     def run_once(self) -> None:
-        if not self._ours():
-            return
         try:
-            landed = self._beat()
+            landed = self._ours() and self._beat()
         except Exception:  # noqa: BLE001 (ps 0 away: the watchdogs judge)
             return
         if landed is not False:
@@ -149,37 +136,33 @@ class ChiefBeat(BackgroundThread):
 
 @dataclasses.dataclass
 class Judge:
-    """Decides from readings of the chief's record when worker `me` takes
-    over (pure: the watch below feeds it, tests too)."""
+    """When worker `me` takes over, from readings of the chief's record."""
 
     me: int
     timeout: float                      # --worker_timeout_secs
     refuses: Callable[[int], bool]      # worker k's port refuses now
     starting: float = 0.0               # --startup_timeout_secs
     _seen: tuple | None = None     # (generation, beats) last seen
-    _start: tuple | None = None    # (generation, first step; None if moved)
+    _start: tuple = (None, None)   # (generation, first step; None if moved)
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
 
     def forget(self) -> None:
-        """ps 0 did not answer: silence is measured anew from the next
-        reading (a chief cut off from ps 0 with us is not judged by it)."""
+        """ps 0 did not answer: silence is measured anew from the next read."""
         self._seen = None
 
     def update(self, record, roster, now: float, read_secs: float = 0.0,
                step: int | None = None) -> str | None:
         """record: int64 [3] (generation, index, beats); roster: bool [N];
-        read_secs: how long the reading took; step: the global step
-        (None: unknown). Returns why to take over now, or None."""
+        step: the global step or None. Why to take over now, or None."""
         if read_secs > self.timeout / 2:
-            # ps 0 stalled (stopped, cut off) while we read: the chief's
-            # beats could not land either, so the silence is not its own.
+            # ps 0 held the reading up: the chief's beats could not land.
             self.forget()
         chief = int(record[INDEX])
         seen = (int(record[GENERATION]), int(record[BEATS]))
         if step is not None:   # a step that moved: the chief has started
-            if self._start is None or self._start[0] != seen[0]:
+            if self._start[0] != seen[0]:
                 self._start = (seen[0], step)
             elif step != self._start[1]:
                 self._start = (seen[0], None)
@@ -187,7 +170,11 @@ class Judge:
             self._seen, self._since, self._lost_at = seen, now, None
             return None
         if self._lost_at is None:
-            why = liveness.lost(now - self._since, *self._limit(), "beat",
+            limit = self.timeout, "--worker_timeout_secs"
+            # No step since we first read its generation: still starting.
+            if self._start[1] is not None and self.starting > self.timeout:
+                limit = self.starting, "--startup_timeout_secs, in its start"
+            why = liveness.lost(now - self._since, *limit, "beat",
                                 lambda: self.refuses(chief))
             if why is None:
                 return None
@@ -197,21 +184,10 @@ class Judge:
             return f"worker {chief} left: {self._why}"
         return None
 
-    def _limit(self) -> tuple:
-        """(the silence after which the chief is lost, its flag): a chief
-        with no step since we first read its generation is still starting
-        and gets --startup_timeout_secs (docs/how-it-works.md)."""
-        if (self._start is not None and self._start[1] is not None
-                and self.starting > self.timeout):
-            return self.starting, "--startup_timeout_secs, in its start"
-        return self.timeout, "--worker_timeout_secs"
-
 
 class ChiefWatch(BackgroundThread):
-    """A worker's watch on the chief, around its training runs: posts
-    CHIEF_LOST once Judge calls the chief lost, or ENDED_AWAY if it is gone
-    after the last step. read: () -> (record int64 [3], roster bool [N],
-    global step int64 []) from ps 0; post: the worker's Machine.post."""
+    """Posts CHIEF_LOST once Judge calls the chief lost, or ENDED_AWAY past
+    the last step. read: () -> Judge.update's record, roster and step."""
 
     def __init__(self, read: Callable[[], tuple], judge: Judge,
                  post: Callable[[Event], bool], train_steps: int):
@@ -232,8 +208,7 @@ class ChiefWatch(BackgroundThread):
         if reason is None:
             return None
         if step >= self._train_steps:
-            # The chief ended the run and exited while we were cut off or
-            # frozen (ps 0 not yet gone): a chief now would wait for no ps.
+            # The run ended while we were away: a chief would wait for no ps.
             self._post(Event(Kind.ENDED_AWAY, (
                 f"the run ended at step {int(step)}, its last, while this "
                 "worker was away; nothing is left to do")))
@@ -243,15 +218,13 @@ class ChiefWatch(BackgroundThread):
 
 
 def place_in_line(roster, chief: int, me: int) -> int:
-    """How many workers claim the chief's role before worker `me`: those
-    of a lower index in the roster (bool [N]), the chief aside."""
+    """How many in roster (bool [N]) claim before `me`: lower, chief aside."""
     return sum(1 for k, inside in enumerate(roster[:me])
                if inside and k != chief)
 
 
 def generation_copy_device(config, ps_down: int | None = None) -> str | None:
-    """Where the chief's generation has a copy: with --ps_mirrors, where ps
-    0's other state has its copies, unless that ps is down."""
+    """ps PS0_COPIES' device with --ps_mirrors unless it is down, else None."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
             and ps_down != mirrors.PS0_COPIES else None)
 
@@ -263,10 +236,8 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 
 
 def acting_chief(target: str, task, config) -> int | None:
-    """The worker doing the chief's work now if its beat goes on (read twice,
-    timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent). Call it
-    once ps 0 accepts connections: a chief started again while its link is
-    down must not take the role back from a worker that took it over."""
+    """The worker doing the chief's work if its beat goes on (two reads,
+    timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent)."""
     options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
     session, lock = lock_session(target, task, config, None)
     try:
