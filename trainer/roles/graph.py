@@ -1,8 +1,6 @@
-"""The graph every worker builds: the same shared part on the ps tasks,
-found by name (parameters, the averaging protocol, the run's coordination),
-and its own on its device: its data and the training loop, whose body is
-the step (trainer/roles/step.py). The chief's also has the ops that start,
-stop, evaluate, checkpoint and end the run."""
+"""The graph every worker builds: the shared part on the ps tasks, found by
+name, and on its own device its data and training loop (step.py); the
+chief's also starts, stops, evaluates, checkpoints and ends the run."""
 
 import dataclasses
 
@@ -11,20 +9,13 @@ import tensorflow as tf
 from trainer.cluster import devices
 from trainer.cluster.spec import Task
 from trainer.common.config import WORKERS, TrainConfig, shared_settings
-from trainer.learning import batches
-from trainer.learning import params as params_lib
-from trainer.learning import replica as replica_lib
-from trainer.roles import step as step_lib
-from trainer.roles import takeover
-from trainer.learning import optim
+from trainer.learning import (batches, optim, params as params_lib,
+                              replica as replica_lib)
+from trainer.roles import step as step_lib, takeover
 from trainer.saving.checkpoints import checkpoint_saver
-from trainer.sync import averaging
-from trainer.sync import chief_lock
-from trainer.sync import coordination
-from trainer.sync import mirrors as mirrors_lib
-from trainer.sync import pull_turns as pull_turns_lib
-from trainer.sync import state as state_lib
-from trainer.sync import transport as transport_lib
+from trainer.sync import (averaging, chief_lock, coordination,
+                          mirrors as mirrors_lib, pull_turns as pull_turns_lib,
+                          state as state_lib, transport as transport_lib)
 
 
 def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
@@ -76,9 +67,8 @@ class ChiefOps:
     deadlines: tuple | None           # take_deadlines; None: no deadlines
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
-    halt_op: tf.Tensor                # int64 []: ends the loop at a step
-                                      # boundary (feed generation); the global
-                                      # step then, or NOT_HALTED
+    halt_op: tf.Tensor                # int64 [] (feed generation): halts the
+                                      # loop at a step boundary (coordination)
     end_op: tf.Operation              # the final step to every worker
     generation: tf.Tensor             # feed int64 []: this chief's
     saver: tf.compat.v1.train.Saver
@@ -119,8 +109,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
                  as_chief: bool | None = None,
                  ps_down: int | None = None) -> WorkerGraph:
     """Worker `task.task_index`'s graph: the chief's (by default worker 0's)
-    or another's. ps_down: a ps it does without, its shards served by their
-    copies (--ps_mirrors; never ps 0), or None."""
+    or another's, doing without ps `ps_down` (--ps_mirrors) or None."""
     cluster, k, num_ps = task.cluster, task.task_index, task.cluster.num_ps
     as_chief = task.is_chief if as_chief is None else as_chief
     graph = tf.Graph()
@@ -136,31 +125,33 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
         lock = chief_lock.ChiefLock(
             shared.shard_devices[0],
             takeover.generation_copy_device(config, ps_down))
-        generation = lock.loop_generation
-        trainset, start_token, num_steps = _loop_inputs(
-            config, k, num_train_examples)
-        parts = step_lib.StepParts(
-            config, k, flat, shared,
-            transport_lib.Transport(shared, config.wire_dtype), turns,
-            trainset)
+        with tf.device(devices.worker_device(k)):
+            trainset = batches.InGraphTrainSet(
+                num_train_examples, config.seed, config.batch_size,
+                (0, config.batch_size))
+            start_token = tf.compat.v1.placeholder(
+                tf.int64, [state_lib.TOKEN_SIZE], "start_token")
+            num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
+        transport = transport_lib.Transport(shared, config.wire_dtype)
+        parts = step_lib.StepParts(config, k, flat, shared, transport, turns,
+                                   trainset)
         if as_chief:
             rule = averaging.Averaging(
                 shared, config.batch_size, config.backup_workers,
                 config.slices, turns, config.micro_batch_rows(), chief=k,
-                lock=lock, generation=generation)
+                lock=lock, generation=lock.loop_generation)
             update = optim.ScheduledUpdate(config, train_steps)
-            mirrors = None   # --ps_mirrors' copies, with their own optimizer
-            if config.ps_mirrors and ps_down is None:
-                mirrors = mirrors_lib.Mirrors(
-                    flat.variables, flat.ps_indices, num_ps,
-                    optim.ScheduledUpdate(config, train_steps),
-                    shared.global_step)
+            # --ps_mirrors' copies, with their own optimizer
+            mirrors = (mirrors_lib.Mirrors(
+                flat.variables, flat.ps_indices, num_ps,
+                optim.ScheduledUpdate(config, train_steps), shared.global_step)
+                if config.ps_mirrors and ps_down is None else None)
             step_body = step_lib.ChiefStep(parts, rule, update, mirrors)
         else:
             step_body = step_lib.WorkerStep(parts)
         loop_outputs = step_lib.training_loop(
-            shared, step_body, start_token, num_steps, train_steps,
-            as_chief, config.min_workers, lambda: lock.current(generation))
+            shared, step_body, start_token, num_steps, train_steps, as_chief,
+            config.min_workers, lambda: lock.current(lock.loop_generation))
         chief = (_chief_ops(config, num_ps, flat, rule, coord,
                             update.optimizer, num_test_examples, mirrors)
                  if as_chief else None)
@@ -171,24 +162,9 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
     return g
 
 
-def _loop_inputs(config: TrainConfig, k: int,
-                 num_train_examples: int) -> tuple:
-    """On worker k: its training set in the graph, and the loop's feeds:
-    the start token, int64 [4]; at most how many steps, int64 []."""
-    with tf.device(devices.worker_device(k)):
-        trainset = batches.InGraphTrainSet(
-            num_train_examples, config.seed, config.batch_size,
-            (0, config.batch_size))
-        start_token = tf.compat.v1.placeholder(
-            tf.int64, [state_lib.TOKEN_SIZE], "start_token")
-        num_steps = tf.compat.v1.placeholder(tf.int64, [], "num_steps")
-    return trainset, start_token, num_steps
-
-
 def _parameters_and_state(config: TrainConfig, cluster, train_steps: int,
                           ps_down: int | None) -> tuple:
-    """(FlatParams, SharedState), each shard on the ps that serves it: its
-    own, or its copy's while that one is down."""
+    """(FlatParams, SharedState), each shard on the ps that serves it."""
     num_ps = cluster.num_ps
     layout = params_lib.plan_shards(replica_lib.model_specs(config), num_ps)
     flat = params_lib.FlatParams(
@@ -214,8 +190,7 @@ def _worker_handles(shared: state_lib.SharedState,
             global_step=shared.global_step.read_value(),
             round=shared.round.read_value(),
             planned=shared.planned.read_value(),
-            admitted=shared.admitted.read_value(),
-            join_op=coord.join_op(k),
+            admitted=shared.admitted.read_value(), join_op=coord.join_op(k),
             leave_op=shared.send_event(state_lib.LEAVING, k),
             tokens_waiting=shared.tokens[k].size(),
             roster=shared.roster.read_value(),
@@ -260,6 +235,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
     shutdown_status = tf.compat.v1.placeholder_with_default(
         tf.constant(0), [], "shutdown_status")
     transient = state_lib.transient_variables()
+    afresh = transient + [shared.dropped]
     pairs = mirrors.pairs(optimizer) if mirrors else []
     copies = [c for _, c in pairs] + ([mirrors.begun] if mirrors else [])
     saver, checkpoint_shapes = checkpoint_saver(  # copies: not saved
@@ -272,9 +248,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         uninitialized=tf.compat.v1.report_uninitialized_variables(),
         transient_init_op=tf.compat.v1.variables_initializer(transient),
         transient_inits={v.op.name: v.initializer for v in transient},
-        refill=(mirrors_lib.Refill(mirrors, pairs,
-                                   transient + [shared.dropped])
-                if mirrors else None),
+        refill=mirrors_lib.Refill(mirrors, pairs, afresh) if mirrors else None,
         start_op=coord.start_op(),
         mark_ready_op=coord.cluster_fingerprint.initializer,
         absorb_op=rule.absorb_queued(), membership=shared.take_membership(),

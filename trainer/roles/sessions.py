@@ -1,9 +1,6 @@
-"""Every session a task opens on its cluster, and their bounded closes: its
-training session, sessions warmed beforehand (standby.py) and small ones of
-its own (`Own`), each using only the ps tasks it names, so that a ps done
-without holds none up."""
-
-import functools
+"""Every session a task opens on its cluster (training, warmed beforehand,
+small ones of its own), and their bounded closes. Each uses only the ps
+tasks it names, so that a ps done without holds none up."""
 
 import tensorflow as tf
 
@@ -14,33 +11,29 @@ from trainer.roles.background import ThreadCall
 
 def open_session(target: str, graph: tf.Graph, config, task,
                  ps_tasks: list[int] | None = None) -> tf.compat.v1.Session:
-    """A session on `graph` through this task's server (`target`), using
-    the ps tasks in `ps_tasks` (None: every one)."""
+    """A session on `graph` through `target`, using `ps_tasks` (None: all)."""
     return tf.compat.v1.Session(
         target, graph=graph,
         config=devices.session_config(config, task, ps_tasks))
 
 
 def close_within(session, secs: float = timing.QUICK_CLOSE_SECS) -> bool:
-    """Closes a session on a thread, waiting at most `secs` (with a peer
-    cut off or gone, a close can block as long as TCP or gRPC retries it).
-    Whether it ended in time; its error, if any, is dropped."""
+    """Closes `session` on a thread, errors dropped: whether it ended within
+    `secs` (a close to a peer cut off or gone blocks while TCP/gRPC retry)."""
     return ThreadCall(session.close, "session-close").done(secs)
 
 
 class Own:
     """A session on a small graph of our own (the chief's beat, a claim,
-    ps 0's reader): a session places one new graph at a time (its
-    MasterSession holds a mutex meanwhile), so a short run on the training
-    session can wait seconds behind a big first run on a starved host.
-    Each run waits at most `timeout_ms`; after a failed run the session is
-    opened again, since an old session cannot use a ps started again."""
+    ps 0's reader), lest its runs wait behind a big first run of the
+    training session (a session places one graph at a time; see
+    docs/how-it-works.md). Each run waits at most `timeout_ms`; a failed
+    one opens it again (an old session cannot use a ps started again)."""
 
     def __init__(self, target: str, graph: tf.Graph, config, task,
                  ps_tasks: list[int] | None, timeout_ms: int):
-        self._open = functools.partial(open_session, target, graph, config,
-                                       task, ps_tasks)
-        self._session = self._open()
+        self._args = (target, graph, config, task, ps_tasks)
+        self._session = open_session(*self._args)
         self._options = tf.compat.v1.RunOptions(timeout_in_ms=timeout_ms)
 
     def run(self, fetches, feeds=None):
@@ -49,7 +42,7 @@ class Own:
             return self._session.run(fetches, feeds, options=self._options)
         except tf.errors.OpError:
             close_within(self._session)   # its peer may be gone
-            self._session = self._open()
+            self._session = open_session(*self._args)
             raise
 
     def close(self) -> None:

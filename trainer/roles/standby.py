@@ -1,7 +1,6 @@
-"""A task's graphs on standby (--ps_mirrors): built and warmed before a ps
-goes down or comes back, since a starved host takes long to build and
-place a graph, and the run would stand still as long. Which one a task
-uses at each connect is trainer/roles/without_ps.py's choice."""
+"""A task's graphs on standby (--ps_mirrors), built and warmed before a ps
+goes down or comes back: a starved host takes long to build and place a
+graph, and the run would stand still as long (choice: without_ps.py)."""
 
 import dataclasses
 import threading
@@ -13,8 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from trainer.common.tf_session import error_summary, make_callable
-from trainer.roles import timing
-from trainer.roles import sessions
+from trainer.roles import sessions, timing
 from trainer.roles.background import ThreadCall
 from trainer.roles.without_ps import Ps0Reader, chief_choice, worker_choice
 from trainer.sync import mirrors
@@ -22,14 +20,11 @@ from trainer.sync import mirrors
 
 class Graphs:
     """A task's graphs by the ps they do without (None: every ps serves),
-    and which to use at each connect (`choose`), each built once. The
-    chief warms those without a ps beforehand; another worker warms one
-    while it waits for the chief to do without that ps."""
+    each built once. build(ps_down) -> a WorkerGraph; warm(graph, ps_down)
+    -> a Warmed or None (warm None: none is warmed); ahead: the chief's,
+    which warms those without a ps beforehand (docs/how-it-works.md)."""
 
     def __init__(self, task, config, build, warm=None, ahead=False):
-        """build(ps_down) -> a WorkerGraph; warm(graph, ps_down) -> a
-        Warmed or None (warm None: none is warmed); ahead: warm the graphs
-        without a ps beforehand (the chief's)."""
         self._task, self._config, self._build = task, config, build
         self._warm, self._ahead = warm, ahead
         self._lock = threading.Lock()
@@ -42,9 +37,8 @@ class Graphs:
         self._reader = None   # a Ps0Reader, from the first choice on
 
     def choose(self, target: str, as_chief: bool) -> tuple:
-        """(the ps to do without now, or None; a ps the last chief did
-        without that the chief now uses, or None). A worker follows the
-        chief's choice, and takes nothing back."""
+        """(the ps to do without now, on a worker the chief's choice; on the
+        chief only, a ps the last chief did without that it uses), or None."""
         if self._reader is None:
             self._reader = Ps0Reader(target, self._task, self._config)
         reader, task, config = self._reader, self._task, self._config
@@ -55,14 +49,13 @@ class Graphs:
             before = reader.ps_down()
         except tf.errors.OpError:
             before = None
-        down = chief_choice(task, config, reader)
+        down = chief_choice(task, reader)
         return down, (before if before not in (None, down) else None)
 
     def prebuild(self, current) -> ThreadCall | None:
-        """With --ps_mirrors, at each connect in the run: a thread that,
-        timing.BUILD_AHEAD_AFTER_SECS later, builds the graphs not built
-        yet (without each ps but ps 0; with every ps), and warms those
-        without a ps if `ahead` and every ps serves."""
+        """With --ps_mirrors, at each connect: a thread that, after
+        timing.BUILD_AHEAD_AFTER_SECS, builds the graphs not built yet, and
+        warms those without a ps if `ahead` and every ps serves."""
         if not self._config.ps_mirrors:
             return None
         with self._lock:
@@ -125,15 +118,13 @@ class Graphs:
             logging.warning("every ps serves its own shards again (ps %d is "
                             "back): connecting with it", current.ps_down)
         else:
-            logging.warning(
-                "ps %d is down: serving its shards from their copies on "
-                "ps %d", down, mirrors.copy_task(down,
-                                                 self._task.cluster.num_ps))
+            copy = mirrors.copy_task(down, self._task.cluster.num_ps)
+            logging.warning("ps %d is down: serving its shards from their "
+                            "copies on ps %d", down, copy)
         with self._lock:
             self._built[current.ps_down] = current
             warming = self._warming.get(down)
-        # A warm under way ends sooner than a session begun afresh beside
-        # it, on the same starved core.
+        # A warm under way ends sooner than a session begun afresh beside it.
         if warming is not None:
             warming.done(self._config.startup_timeout_secs)
         with self._lock:
@@ -152,22 +143,18 @@ class Graphs:
 
 @dataclasses.dataclass
 class Warmed:
-    """A session opened beforehand on a worker's graph (`warm`), its loop's
-    callable made and placed on every task: loop(token, count), on a
-    chief's loop(token, count, generation) and absorb(generation)."""
-
+    """A session opened beforehand (`warm`), its loop placed on every task:
+    loop(token, count), a chief's loop(token, count, generation)."""
     session: tf.compat.v1.Session
     loop: Callable
-    absorb: Callable | None = None   # a chief's (chief.py `_absorb`)
+    absorb: Callable | None = None   # a chief's absorb(generation), chief.py
 
 
 def warm(config, task, server, graph,
          ps_tasks: list[int] | None = None) -> Warmed | None:
-    """A session on a worker's graph (a spare chief's, or one without a
-    ps) whose loop is placed on every task by a run of 0 steps (it only
-    reads), and on a chief's its start prepared; or None if that failed (a
-    ps lost meanwhile): the connect does it. ps_tasks: those it uses
-    (None: every one)."""
+    """A session using `ps_tasks` (None: every one) on a worker's graph, its
+    loop placed by a 0-step run (it only reads), a chief's start prepared;
+    None if that failed (a ps lost meanwhile): the connect does it."""
     session = sessions.open_session(server.target, graph.graph, config, task,
                                     ps_tasks)
     # A chief's loop fed no chief's generation (-1) writes nothing.
@@ -179,18 +166,17 @@ def warm(config, task, server, graph,
         loop(np.zeros(4, np.int64), 0, *none)   # step 0's token
         absorb = _prepare_start(session, graph) if graph.chief else None
     except tf.errors.OpError as e:
-        logging.info("a loop was not placed beforehand: %s",
-                     error_summary(e))
+        logging.info("a loop was not placed beforehand: %s", error_summary(e))
         sessions.close_within(session)
         return None
     return Warmed(session, loop, absorb)
 
 
-def _prepare_start(session, graph):
-    """Runs the reads of the chief's start (chief.py _claim_and_start) once,
-    since a session keeps each run's placement, which a starved host takes
-    seconds to make (a read of a variable not set yet fails, the placement
-    is kept all the same); returns its absorb's callable, made, not run."""
+def _prepare_start(session, graph) -> Callable:
+    """Runs the reads of the chief's start (chief.py _claim_and_start) once:
+    a session keeps each run's placement (a starved host takes seconds to
+    make one), even when a read fails on an unset variable. Returns the
+    absorb's callable, made, not run."""
     for fetch in (graph.lock.recorded, graph.chief.uninitialized,
                   graph.handles.global_step, graph.chief.contributions,
                   graph.handles.round):

@@ -1,11 +1,7 @@
 """Doing without a lost ps (--ps_mirrors; never ps 0, whose queues and lock
-have no second home): its shards are served by their copies on the next ps.
-The chief chooses at each connect and names that ps in `sync/ps_down` on
-ps 0; the other workers follow (a push from a graph built otherwise is
-refused: its worker connects again). Once that ps answers, the chief halts
-at a step boundary and takes it back, refilled from the copies. See
-docs/how-it-works.md#a-lost-ps-and-its-mirrors.
-"""
+have no second home), its shards served by their copies on the next ps:
+the chief chooses at each connect, naming it in `sync/ps_down` on ps 0,
+and the workers follow (docs/how-it-works.md#a-lost-ps-and-its-mirrors)."""
 
 import contextlib
 import time
@@ -13,10 +9,8 @@ import time
 from absl import logging
 import tensorflow as tf
 
-from trainer.cluster import devices
-from trainer.cluster import ports
-from trainer.roles import timing
-from trainer.roles import sessions
+from trainer.cluster import devices, ports
+from trainer.roles import sessions, timing
 from trainer.roles.background import BackgroundThread
 from trainer.roles.states import Event, Kind
 from trainer.sync import state as state_lib
@@ -42,8 +36,7 @@ class Ps0Reader:
             self._down_set = tf.raw_ops.VarIsInitializedOp(
                 resource=down.handle)
             self._down = down.read_value()
-        self._session = sessions.Own(target, graph, config, task, [0],
-                                     READ_MS)
+        self._session = sessions.Own(target, graph, config, task, [0], READ_MS)
 
     def holds_run(self) -> bool:
         return bool(self._session.run(self._held))
@@ -63,11 +56,9 @@ def _like(name: str) -> tf.Variable:
         use_resource=True, collections=[])
 
 
-def chief_choice(task, config, reader: Ps0Reader) -> int | None:
+def chief_choice(task, reader: Ps0Reader) -> int | None:
     """The ps the chief does without, or None (it waits for every ps): the
     one ps, not ps 0, that does not answer, if ps 0 holds a run."""
-    if not config.ps_mirrors:
-        return None
     silent = [i for i in range(task.cluster.num_ps) if not port_open(task, i)]
     if len(silent) != 1 or silent[0] == 0:
         return None
@@ -90,13 +81,11 @@ def worker_choice(task, reader: Ps0Reader, timeout: float,
             down = None
         missing = [i for i in range(task.cluster.num_ps)
                    if i != down and not port_open(task, i)]
-        if not missing:
-            return down
         if len(missing) == 1 and missing[0] != 0:
             expect(missing[0])
         now = time.monotonic()
-        if now > deadline:
-            return down   # wait_for_ps then says which, and fails
+        if not missing or now > deadline:
+            return down   # if late, wait_for_ps then says which, and fails
         if now - said > 5:
             logging.info("waiting for ps %s, or for the chief to do "
                          "without it", ", ".join(map(str, missing)))
@@ -123,10 +112,9 @@ class PsWatch(BackgroundThread):
                 self._back()
                 return False
             return True
-        refused = {i for i in range(1, self._task.cluster.num_ps)
-                   if ports.answer(self._task.cluster.ps[i],
-                                   timing.PS_PORT_CHECK_SECS,
-                                   "--ps_hosts") == ports.REFUSED}
+        ps = self._task.cluster.ps
+        refused = {i for i in range(1, len(ps)) if ports.answer(
+            ps[i], timing.PS_PORT_CHECK_SECS, "--ps_hosts") == ports.REFUSED}
         twice, self._refused = refused & self._refused, refused
         if twice:
             self._down(min(twice))
@@ -135,8 +123,7 @@ class PsWatch(BackgroundThread):
 
 
 def ps_watch(chief):
-    """The chief's PsWatch (trainer/roles/chief.py), a context manager, or
-    a null one without --ps_mirrors."""
+    """The chief's PsWatch, or a null context manager without --ps_mirrors."""
     if not chief.config.ps_mirrors:
         return contextlib.nullcontext()
 
@@ -165,11 +152,10 @@ def changed(error: Exception) -> bool:
 
 def fill_what_was_lost(session, ops, take_back: int | None) -> bool:
     """Whether the chief goes on from the state on the ps tasks (ops: its
-    ChiefOps): every variable on `take_back` (a ps the last chief did
-    without, which this one uses) is set from the copies, a ps started
-    again is refilled from them (a refilled ps 0's step record starts
-    anew), and the gradient rows a graph moved to a copy's ps are started
-    afresh; then nothing may be missing."""
+    ChiefOps): `take_back` (a ps the last chief did without) and a ps
+    started again are refilled from the copies (a refilled ps 0's step
+    record starts anew), and the gradient rows a graph moved to a copy's
+    ps started afresh; then nothing may be missing."""
     if take_back is not None and ops.refill:
         ops.refill.take_back(session, devices.ps_device(take_back))
     if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
