@@ -1,14 +1,10 @@
-"""The chief's membership watch (docs/how-it-works.md, Membership).
-
-While the chief's session.run blocks in the in-graph loop, a member that
-died leaves its round waiting. This thread reads the round every
-timing.MEMBERSHIP_CHECK_SECS (same session, concurrently) and reports
-lost (LOST; averaging.py plans the step again without it) a worker with
-a slice outstanding (`late`) once liveness.lost says so of its silence,
-counted from its last push of any round: a dead backup worker, whose
-rounds end without it, is found too. It also logs and keeps on ps 0 each
-roster change, writes TensorBoard scalars, and calls `on_unreachable`
-when ps 0 is silent for --worker_timeout_secs.
+"""The chief's membership watch (docs/how-it-works.md, Membership): a
+thread reading the round every timing.MEMBERSHIP_CHECK_SECS (same session)
+as the chief's session.run blocks in the loop. It reports LOST a worker
+with a slice outstanding (`late`) once liveness.lost says so of its silence
+since its last push of any round (a dead backup worker, whose rounds end
+without it, is found too); keeps on ps 0 and logs roster changes; writes
+TensorBoard scalars; calls `on_unreachable` if ps 0 is silent too long.
 """
 
 import dataclasses
@@ -20,10 +16,9 @@ import numpy as np
 
 from trainer.common.tf_session import error_summary
 from trainer.observe import summaries
+from trainer.roles import liveness, timing
 from trainer.roles.background import BackgroundThread
 from trainer.roles.takeover import port_refuses
-from trainer.roles import liveness
-from trainer.roles import timing
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
@@ -47,12 +42,10 @@ class MembershipWatch(BackgroundThread):
                  report_lost: Callable[[int], None], cluster, config, writer,
                  on_unreachable: Callable[[int | None, str], None],
                  chief: int = 0, kept: tuple = ([], None)):
-        """read: () -> the fields of _Round (numpy, of ChiefOps' ops).
-        take_records: () -> (step, kind, worker, members) arrays.
-        report_lost(worker) sends LOST for it. writer: a FileWriter, or
-        None. chief: its worker index (never reported lost). kept: (the
-        records so far, from ps 0; keep(records), storing them there
-        again), so that they outlive this chief's connection and process."""
+        """read: () -> _Round's fields (numpy); take_records: () -> (step,
+        kind, worker, members) arrays; report_lost(k) sends LOST; writer:
+        a FileWriter or None; chief: its index (never lost); kept: (records
+        so far, keep(records) storing them on ps 0), to outlive this chief."""
         every = timing.MEMBERSHIP_CHECK_SECS
         super().__init__("membership", every, every * 8)
         self._bounded_read = BoundedRead(lambda: _Round(**read()))
@@ -69,16 +62,12 @@ class MembershipWatch(BackgroundThread):
         self._logged_step, self._last = -1, time.monotonic()
         self.slices = None       # each worker's examples in the last round
 
-    def stop(self) -> None:
-        super().stop()
-        self.take_records()   # what the last rounds recorded
-
     def __exit__(self, kind, *rest):
-        # A failed run may have told ps 0 to exit already (a halt saves,
-        # then stops the ps tasks): the last take's failure must not hide
-        # why the run ended.
+        # A failed run may have stopped ps 0 already (a halt saves, then
+        # stops the ps tasks): the last take's error must not hide its own.
         try:
             self.stop()
+            self.take_records()   # what the last rounds recorded
         except Exception as e:  # noqa: BLE001 (re-raised on a clean exit)
             if kind is None:
                 raise
@@ -149,31 +138,24 @@ class MembershipWatch(BackgroundThread):
         return None
 
     def _check_silent(self, k: int, state: _Round, now: float) -> None:
-        """Reports worker k lost if silent too long (module docstring)."""
-        heard = self._heard
-        pushed, since, reported = heard.get(k, (None, now, False))
+        pushed, since, reported = self._heard.get(k, (None, now, False))
         if state.last_push[k] != pushed:
             pushed, since, reported = state.last_push[k], now, False
-        heard[k] = (pushed, since, reported)
-        if reported:
-            return
-        why = liveness.lost(now - since, self._config.worker_timeout_secs,
-                            "--worker_timeout_secs", "gradient",
-                            lambda: self._refuses(k))
-        if why is None:
-            return
-        self.reasons[k] = f" ({why})"
-        heard[k] = (pushed, since, True)
-        self._report_lost(k)
+        self._heard[k] = (pushed, since, reported)
+        why = None if reported else liveness.lost(
+            now - since, self._config.worker_timeout_secs,
+            "--worker_timeout_secs", "gradient", lambda: self._refuses(k))
+        if why is not None:
+            self.reasons[k] = f" ({why})"
+            self._heard[k] = (pushed, since, True)
+            self._report_lost(k)
 
     def _note_slices(self, state: _Round, always: bool = False) -> None:
-        """Keeps each worker's slice of the round (not before the first
-        plan) and writes them once per --log_every steps, or now."""
+        """Keeps the round's slices; writes them each --log_every steps."""
         if not state.planned.any():
             return
         sizes = state.slices[:, 1] - state.slices[:, 0]
-        self.slices = [int(n) if planned else 0
-                       for n, planned in zip(sizes, state.planned)]
+        self.slices = [int(n) for n in sizes * state.planned]
         step, every = state.step, self._config.log_every
         if self._writer is None or (
                 not always and step // every == self._logged_step // every):

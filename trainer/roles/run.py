@@ -7,26 +7,19 @@ import threading
 from absl import logging
 import tensorflow as tf
 
-from trainer.saving import checkpoints
-from trainer.saving import settings
-from trainer.learning import data as data_lib
-from trainer.cluster import devices
-from trainer.cluster import ports
-from trainer.roles import ps
-from trainer.roles import lifecycle
-from trainer.roles import standby
-from trainer.roles import states
-from trainer.roles import takeover
-from trainer.roles import graph as worker_graph
-from trainer.roles import timing
-from trainer.roles.background import ThreadCall
-from trainer.roles.chief import Chief
+from trainer.cluster import devices, ports
 from trainer.cluster.spec import Task
 from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import RunFailed
+from trainer.learning import data as data_lib
+from trainer.roles import (graph as worker_graph, lifecycle, ps, standby,
+                           states, takeover, timing)
+from trainer.roles.background import ThreadCall
+from trainer.roles.chief import Chief
 from trainer.roles.states import Event, Kind, State
 from trainer.roles.worker import Worker
+from trainer.saving import checkpoints, settings
 
 
 def run(config: TrainConfig, task: Task) -> None:
@@ -60,17 +53,15 @@ def run(config: TrainConfig, task: Task) -> None:
 
 
 class Roles:
-    """The work of each state (trainer/roles/states.py), returning the
-    Event the loop moves on, and `role`, the object doing it: a Worker,
-    or a Chief once chosen or claimed. stack: an ExitStack open for the
-    whole loop (the chief's beat is entered on it)."""
+    """Each state's work (states.py), returning the Event the loop moves
+    on; `role` does it: the Worker, or the Chief once chosen or claimed.
+    stack: an ExitStack open for the whole loop (the chief's beat)."""
 
     def __init__(self, config: TrainConfig, task: Task, server, mnist,
                  data_dir, machine: states.Machine, stack):
         self.config, self.task, self.server = config, task, server
-        self.mnist, self.data_dir = mnist, data_dir
-        self.machine, self._stack = machine, stack
-        self.role, self._spare = None, None
+        self.mnist, self.data_dir, self.machine = mnist, data_dir, machine
+        self._stack, self.role, self._spare = stack, None, None
 
     def work(self, state: State) -> Event:
         if state == State.STARTING:
@@ -82,8 +73,6 @@ class Roles:
         return self.role.train()   # WORKER, CHIEF
 
     def _start(self) -> Event:
-        """Worker 0 is the chief, unless another worker does the chief's
-        work now (it was started again after a takeover)."""
         config, task, server = self.config, self.task, self.server
         if task.is_chief and not _another_chief(config, task, server):
             self._become(Chief(config, task, server, self.mnist,
@@ -122,12 +111,10 @@ class Roles:
         """Raises why the loop ended in FAILED: the error out of a state's
         work, or a RunFailed naming the step this worker was at."""
         cause = self.machine.cause
-        if cause.error is not None and not isinstance(cause.error,
-                                                      RunFailed):
+        if cause.error is not None and not isinstance(cause.error, RunFailed):
             raise cause.error
-        reason = self.role.with_step(cause.reason) if self.role else (
-            cause.reason)
-        raise RunFailed(reason) from None
+        raise RunFailed(self.role.with_step(cause.reason) if self.role
+                        else cause.reason) from None
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:
@@ -145,12 +132,10 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
 
 
 class SpareChief:
-    """The chief's graph of a worker that may take over, built ahead of
-    need on a thread of its own, but (as building takes from the worker's
-    steps) only by the worker first in line (takeover.Judge's order), once
-    in the run for timing.BUILD_AHEAD_AFTER_SECS; another builds when it
-    claims (`result`) or comes first (docs/how-it-works.md, spare chief).
-    result(): (Mnist with test set, WorkerGraph, standby.Warmed or None)."""
+    """The chief's side for a worker that may take over, built on a thread
+    ahead of need once first in line (takeover.Judge's order, checked every
+    timing.BUILD_AHEAD_AFTER_SECS in the run: building slows steps), else at
+    a claim. result(): (Mnist with test set, WorkerGraph, Warmed or None)."""
 
     def __init__(self, config: TrainConfig, task: Task, data_dir,
                  worker: Worker):
@@ -186,8 +171,6 @@ class SpareChief:
 
 
 def _first_in_line(worker: Worker) -> bool:
-    """Whether `worker` would claim the chief's role first if the chief
-    were lost now (False if ps 0 does not answer)."""
     session, g = worker.session_and_graph()
     if session is None:
         return False
@@ -204,9 +187,8 @@ _running = []            # this process's Roles, once made
 
 def terminate() -> float:
     """On SIGTERM (main thread): a worker tells the chief it leaves (at
-    most timing.LEAVE_DEADLINE_SECS); the chief ends training at the next
-    step boundary, saves and stops every task. Returns how long to let the
-    training thread finish: 0 to exit at once."""
+    most timing.LEAVE_DEADLINE_SECS); the chief halts (chief.halt: saves,
+    stops every task). Returns the grace in seconds: 0, exit now."""
     role = _running[0].role if _running else None
     if role is None:
         return 0.0

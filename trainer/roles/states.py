@@ -1,22 +1,17 @@
-"""A worker process's roles as one state machine: its states, the events
-that move it, the table between them, and the loop that moves it.
+"""A worker process's roles as one state machine: states, the events that
+move it, the table between them, and the loop that moves it.
 
     STARTING -> WORKER or CHIEF; WORKER -> CLAIMING -> CHIEF;
     WORKER, CHIEF -> RECONNECTING -> back to that role; any -> ENDED, FAILED
 
-`Machine.run` does the current state's work (given by run.py), which
-returns an Event; `move` takes the next state from TABLE and logs it:
-
-    worker 1: worker -> claiming (worker 0 left: no beat for 10 s, --worker_timeout_secs)
-
-Threads beside a training run (background.py) only `post` what they saw.
-While the work blocks in a session.run nothing can act on it, so post()
-ends the run as HOW says, through the role's `interrupt`: at once (the
-session closed) or at the next step boundary (the chief's halt). The loop
-then takes the posted event in place of the run's error and moves: every
-decision is the table's, taken on the loop; post() only keeps, of two
-posted at once, the higher priority (Kind's order). No TensorFlow here:
-tests/test_states.py drives it with fake events.
+`Machine.run` does each state's work (run.py's Roles) and moves on the
+Event it returns (TABLE). Threads beside a run (background.py) only `post`
+what they saw; as the work may block in a session.run, post() ends it as
+HOW says, through the role's `interrupt`: at once (session closed) or at
+the next step boundary (the chief's halt). The loop then takes the posted
+event in place of the run's error: every decision is the table's, on the
+loop; post() only keeps, of two posted at once, the higher priority
+(Kind's order). No TensorFlow here: tests/test_states.py drives it.
 """
 
 import dataclasses
@@ -39,13 +34,11 @@ class State(enum.Enum):
     FAILED = "failed"              # the run failed (exit 1)
 
 
-ROLES = (State.WORKER, State.CHIEF)
 FINAL = (State.ENDED, State.FAILED)
 
 
 class Kind(enum.IntEnum):
-    """What happened. Threads post the first six; of two posted before
-    the loop takes one, the lower value is kept."""
+    """What happened; threads post the first six (the lower wins)."""
     CHIEF_LOST = 1       # the chief watch: the chief's beat stopped
     ENDED_AWAY = 2       # the chief watch: the run ended while we were away
     STALLED = 3          # the watchdog: no step for --startup_timeout_secs
@@ -105,12 +98,11 @@ TABLE = {
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """kind; reason: one line for the log; role: with CHOSEN, the State
-    this task starts in; error: with FAILURE, the exception to raise."""
+    """What a state's work returned, or a thread posted."""
     kind: Kind
-    reason: str
-    role: State | None = None
-    error: BaseException | None = None
+    reason: str                         # one line for the log
+    role: State | None = None           # with CHOSEN: the State to start in
+    error: BaseException | None = None  # with FAILURE: the exception to raise
 
 
 class Interrupted(Exception):
@@ -118,10 +110,10 @@ class Interrupted(Exception):
 
 
 class Machine:
-    """One task's state; `post` from any thread, `run` on the loop's."""
+    """One task's state; `post` from any thread, `run` on the loop's.
+    who: the task, as log lines name it ("worker 1")."""
 
     def __init__(self, who: str):
-        """who: the task, as log lines name it ("worker 1")."""
         self.who, self.state = who, State.STARTING
         self.role: State | None = None      # WORKER or CHIEF, once chosen
         self.cause: Event | None = None     # the event of the last move
@@ -176,7 +168,7 @@ class Machine:
             event.reason)
         with self._lock:
             self.state, self.cause = new, event
-            if new in ROLES:
+            if new in (State.WORKER, State.CHIEF):
                 self.role = new
         return new
 

@@ -2,11 +2,9 @@
 
 Read `ChiefStep` top to bottom: plan, pull, compute, push, admit, average,
 apply, count; or, if a member left before pushing, plan the step again
-among the others (the rule: trainer/sync/averaging.py).
-
-Both are the body of `training_loop`, an in-graph tf.while_loop: one
-session.run runs many steps, as a distributed session.run costs far more
-than a small model's step (a RunGraph RPC to each ps, a thread, cleanup).
+among the others (sync/averaging.py). Both are the body of `training_loop`,
+an in-graph tf.while_loop: one session.run runs many steps, as a distributed
+one costs far more than a small model's step (a RunGraph RPC to each ps).
 """
 
 import dataclasses
@@ -15,13 +13,10 @@ import tensorflow as tf
 
 from trainer.cluster import devices
 from trainer.common.config import TrainConfig
-from trainer.learning import batches
-from trainer.learning import optim
-from trainer.learning import params as params_lib
-from trainer.learning import replica as replica_lib
-from trainer.sync import averaging
-from trainer.sync import state as state_lib
-from trainer.sync import transport as transport_lib
+from trainer.learning import (batches, optim, params as params_lib,
+                              replica as replica_lib)
+from trainer.sync import (averaging, state as state_lib,
+                          transport as transport_lib)
 
 LOOP_PARALLEL_ITERATIONS = 4
 
@@ -43,8 +38,7 @@ def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
     [4] on ps 0. Returns the op that pushed it and passed its pull turns."""
     k, step = parts.k, token[0]
     with tf.device(devices.worker_device(k)):
-        # Pull: wait for our turn on each shard (--ordered_pulls), then
-        # read the parameters after step - 1.
+        # Pull step - 1's parameters, in our turn per shard (--ordered_pulls).
         turns = parts.pull_turns.wait(k, step)
         token_here, shard_values = parts.transport.pull(
             token, parts.flat.variables, turns)
@@ -60,8 +54,10 @@ def pull_compute_push(parts: StepParts, token: tf.Tensor) -> tf.Operation:
 
 
 class ChiefStep:
-    """The chief's step: plan a round, its own slice, then the update of
-    the step if every member pushed, else the same step again."""
+    """The chief's loop body, (steps done, token, stats sums) -> the same,
+    one on: plan a round (nothing if a newer chief holds the lock: the loop
+    then ends), its own slice, then the step's update if every member
+    pushed, else the same step again."""
 
     def __init__(self, parts: StepParts, rule: averaging.Averaging,
                  update: optim.ScheduledUpdate, mirrors=None):
@@ -69,9 +65,6 @@ class ChiefStep:
         self.mirrors = mirrors   # sync/mirrors.py, or None
 
     def __call__(self, done, token, stats):
-        """Loop body: (steps done, token, stats sums) -> the same, one on.
-        Plan: slices for the members, tokens to the others; nothing more
-        if a newer chief holds the lock (the loop then ends)."""
         planned, own = self.rule.plan(token[0])
         return tf.cond(planned, lambda: self._round(done, own, stats),
                        lambda: (done, token, stats))
@@ -105,7 +98,6 @@ class ChiefStep:
             def not_applied():
                 return (tf.constant(0, tf.int64), rule.unfinished_round(step),
                         tf.zeros([replica_lib.NUM_STATS]))
-
             # The update and the advance are one write under the chief's
             # lock: a chief deposed meanwhile applies nothing.
             applied, next_step, step_stats = tf.cond(
@@ -123,9 +115,8 @@ class WorkerStep:
 
     def __call__(self, done, token, stats):
         pushed = pull_compute_push(self.parts, token)
-        # Stats are the chief's (off this loop: a transfer less per step).
-        # The next token comes once the chief plans the next round (or is
-        # STOP, REJOIN or the end).
+        # Stats are the chief's (a transfer less per step). The next token
+        # comes once the chief plans the next round (or STOP, REJOIN, end).
         with tf.device(self.parts.shared.shard_devices[0]):
             with tf.control_dependencies([pushed]):
                 next_token = self.parts.shared.next_token(self.parts.k)
@@ -150,24 +141,19 @@ def training_loop(shared: state_lib.SharedState, step_body, start_token,
 
         def keep_going(done, token, _):
             step = token[0]
-            go = tf.logical_and(done < max_steps,
-                                tf.logical_and(step >= 0, step < train_steps))
+            go = (done < max_steps) & (step >= 0) & (step < train_steps)
             if is_chief:
-                go = tf.logical_and(go, tf.logical_and(
-                    tf.equal(shared.halt.read_value(), 0),
-                    state_lib.count(shared.roster.read_value())
-                    >= min_workers))
-                go = tf.logical_and(go, still_chief())
+                go &= tf.equal(shared.halt.read_value(), 0)
+                roster = shared.roster.read_value()
+                go &= (state_lib.count(roster) >= min_workers) & still_chief()
             return go
-
         done, next_token, stats = tf.while_loop(
             keep_going, step_body,
             [tf.constant(0, tf.int64), tf.identity(start_token),
              tf.zeros([replica_lib.NUM_STATS])],
             parallel_iterations=LOOP_PARALLEL_ITERATIONS)
-    outputs = {"steps_done": done, "next_token": next_token, "stats": stats}
-    if is_chief:
-        with tf.device(shared.shard_devices[0]), \
-                tf.control_dependencies([done, next_token, stats]):
-            outputs["dropped"] = shared.dropped.read_value()
+        outputs = dict(steps_done=done, next_token=next_token, stats=stats)
+        if is_chief:
+            with tf.control_dependencies([done, next_token, stats]):
+                outputs["dropped"] = shared.dropped.read_value()
     return outputs

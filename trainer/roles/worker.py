@@ -1,6 +1,5 @@
-"""Workers other than the chief: wait for the chief, join, then compute
-and push a gradient for every slice the chief hands out, to the end (a
-step: step.py's `WorkerStep`; connecting, reconnecting: lifecycle.py)."""
+"""Workers other than the chief: wait for it, join, then push a gradient
+for each slice it hands out (step.WorkerStep; reconnects: lifecycle.py)."""
 
 import time
 
@@ -8,12 +7,10 @@ from absl import logging
 
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
-from trainer.roles import takeover
-from trainer.roles import watchdog as watchdog_lib
-from trainer.saving import storage
-from trainer.roles import timing
+from trainer.roles import takeover, timing, watchdog as watchdog_lib
 from trainer.roles.lifecycle import WorkerRole, poll_until
 from trainer.roles.states import Event, Kind
+from trainer.saving import storage
 from trainer.sync import state
 
 
@@ -21,8 +18,7 @@ class Worker(WorkerRole):
     judge: takeover.Judge | None = None   # the chief watch's, once made
 
     def run_connected(self) -> None:
-        """Joins, then computes every slice the chief hands out, to the
-        end (or the chief's STOP)."""
+        """Joins, then computes each slice handed out, to the end or STOP."""
         h = self.g.handles
         self._wait_for_chief()
         loop = self.loop_callable()   # placed on every task beforehand
@@ -52,10 +48,9 @@ class Worker(WorkerRole):
         self.close_session()
 
     def _watchdog(self) -> watchdog_lib.Watchdog:
-        """Posts STALLED when the global step stays put for as long as a
-        starting worker waits for its cluster (--startup_timeout_secs): cut
-        off, or waiting on a stopped chief. Posts PS_BACK when ps 0 answers
-        after --worker_timeout_secs without: the chief counted us out."""
+        """Posts STALLED when the global step stays put for
+        --startup_timeout_secs (cut off, or a stopped chief); PS_BACK when
+        ps 0 answers after --worker_timeout_secs: the chief counted us out."""
         h, cluster = self.g.handles, self.task.cluster
         timeout = self.config.startup_timeout_secs
         chief = cluster.describe("worker", 0)
@@ -68,11 +63,10 @@ class Worker(WorkerRole):
             return int(step), list(admitted)
 
         def describe_missing(admitted) -> str:
-            missing = [k for k, flag in enumerate(admitted)
+            missing = [cluster.describe("worker", k)
+                       for k, flag in enumerate(admitted)
                        if not flag and k != self.k]
-            if not missing:
-                return "the chief to apply the step"
-            return ", ".join(cluster.describe("worker", k) for k in missing)
+            return ", ".join(missing) or "the chief to apply the step"
 
         def on_timeout(at, who) -> None:
             self.machine.post(Event(Kind.STALLED, (
@@ -84,7 +78,6 @@ class Worker(WorkerRole):
             self.machine.post(Event(Kind.PS_BACK, (
                 f"ps 0 answers again after {outage_secs:.0f} s; joining "
                 "again (the chief counted us out meanwhile)")))
-
         return watchdog_lib.Watchdog(
             read_progress, describe_missing, timeout, on_timeout,
             f"{cluster.describe('ps', 0)}, which does not answer",
@@ -92,8 +85,6 @@ class Worker(WorkerRole):
             return_after_secs=self.config.worker_timeout_secs)
 
     def _chief_watch(self) -> takeover.ChiefWatch:
-        """Watches the chief's beat; posts CHIEF_LOST if this worker may
-        take over the chief's work (trainer/roles/takeover.py)."""
         read = self.callable({"record": self.g.lock.recorded,
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
@@ -106,18 +97,12 @@ class Worker(WorkerRole):
             takeover.port_refuses(self.task.cluster),
             self.config.startup_timeout_secs)
         self.judge.forget()
-
-        def fetch():
-            out = read()
-            return out["record"], out["roster"], out["step"]
-
-        return takeover.ChiefWatch(fetch, self.judge, self.machine.post,
-                                   self.train_steps)
+        return takeover.ChiefWatch(lambda: tuple(read().values()), self.judge,
+                                   self.machine.post, self.train_steps)
 
     def _join(self, dog):
-        """Asks the chief in; the first token (int64 [4]), within
-        --startup_timeout_secs. Asks again every timing.JOIN_AGAIN_SECS while
-        the roster lacks us (a LOST of our old self may overtake the ask)."""
+        """Asks the chief in; the first token (int64 [4]). Asks again while
+        the roster lacks us (our old self's LOST may overtake an ask)."""
         h = self.g.handles
         self.session.run(h.join_op)
         logging.info("worker %d asked the chief to take it in", self.k)
@@ -153,8 +138,7 @@ class Worker(WorkerRole):
             logging.warning("could not tell the chief: %s", e)
 
     def _wait_for_chief(self) -> None:
-        """The handshake (trainer/sync/coordination.py): waits until the
-        chief marks the run ready, then compares its settings with ours."""
+        """The handshake (sync/coordination.py): ready, then settings."""
         chief = self.task.cluster.describe("worker", 0)
         timeout = self.config.startup_timeout_secs
         poll_until(
@@ -164,16 +148,14 @@ class Worker(WorkerRole):
             lambda: f"the chief, {chief}, did not initialize the variables "
                     f"within {timeout:.0f} s (--startup_timeout_secs); start"
                     " it or check --worker_hosts")
-        storage.warn_if_elsewhere(
-            self.config.logdir,
-            lambda: self.session.run(self.g.coord.read_storage_word))
+        storage.warn_if_elsewhere(self.config.logdir, lambda: self.session.run(
+            self.g.coord.read_storage_word))
         chiefs = self.session.run(self.g.handles.chief_fingerprint).decode()
-        ours = self.g.coord.fingerprint
-        if chiefs != ours:
-            chief_value, our_value = _first_difference(chiefs, ours)
+        if chiefs != self.g.coord.fingerprint:
+            theirs, ours = _first_difference(chiefs, self.g.coord.fingerprint)
             raise RunFailed(
                 f"this worker's settings differ from the chief's: chief has "
-                f"'{chief_value}', this worker has '{our_value}'; start every "
+                f"'{theirs}', this worker has '{ours}'; start every "
                 "task with the same cluster and training flags")
 
 
