@@ -1,7 +1,5 @@
-"""Threads beside a blocking training run (the step loop is in the graph,
-so no Python runs in the training thread meanwhile): the base of the
-watch threads, which post events (roles/states.py) but never change the
-role; and ThreadCall, for one call that must not block its caller."""
+"""Threads beside a blocking training run: the base of the watch threads
+(they post events, roles/states.py, never change the role) and ThreadCall."""
 
 import abc
 import threading
@@ -9,9 +7,8 @@ from typing import Callable
 
 
 class BackgroundThread(abc.ABC):
-    """A daemon thread `name` calling `run_once` every `period` s (0: back
-    to back) until stopped or it returns False. Enter starts it; exit
-    stops it and joins it for at most `join_secs`."""
+    """A daemon thread `name` calling run_once() every `period` s (0: back to
+    back) until stopped or it returns False; exit joins it for `join_secs`."""
 
     def __init__(self, name: str, period: float, join_secs: float):
         self.period, self._join_secs = period, join_secs
@@ -32,10 +29,6 @@ class BackgroundThread(abc.ABC):
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self._join_secs)
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def wait(self, secs: float) -> bool:
         """Sleeps `secs` or until stopped; True if stopped."""
@@ -72,8 +65,7 @@ class ThreadCall:
         return not self._thread.is_alive()
 
     def result(self, timeout: float | None = None):
-        """call()'s value, or its error raised, if it ends within
-        `timeout` seconds; else TimeoutError."""
+        """call()'s value or error (raised); TimeoutError after `timeout` s."""
         if not self.done(timeout):
             raise TimeoutError(f"no answer in {timeout} s")
         if self._error is not None:

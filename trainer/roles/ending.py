@@ -1,5 +1,4 @@
-"""The end of a run, on the chief (trainer/roles/chief.py): the workers'
-reports, and telling every ps task to exit."""
+"""The end of a run, on the chief: the workers' reports, the ps tasks' exit."""
 
 import time
 
@@ -7,8 +6,7 @@ from absl import logging
 import tensorflow as tf
 
 from trainer.common.tf_session import error_summary
-from trainer.roles import takeover
-from trainer.roles import timing
+from trainer.roles import takeover, timing
 from trainer.roles.states import Event, Kind
 from trainer.sync import coordination
 
@@ -18,8 +16,7 @@ def collect_reports(session, ops, cluster, chief: int) -> dict:
     at most) for those in the roster. ops: ChiefOps; chief: our index."""
     roster = session.run(ops.roster)
     expected = {k for k in range(len(roster)) if roster[k] and k != chief}
-    reports = {}
-    deadline = time.monotonic() + timing.FINISH_WAIT_SECS
+    reports, deadline = {}, time.monotonic() + timing.FINISH_WAIT_SECS
     while not expected <= reports.keys() and time.monotonic() < deadline:
         workers, steps = session.run(ops.take_finished)
         reports.update(zip(workers.tolist(), steps.tolist()))
@@ -45,10 +42,9 @@ def shut_down_ps(chief, failed: bool = False) -> None:
 
 
 def end_failed_run(chief, reason: str) -> None:
-    """Ends a run the chief cannot go on with (too few workers joined; it
-    raises `reason` next): STOP, then every ps told to exit, each bounded
-    by timing.END_SECS, once ps 0 says the lock still holds our
-    generation, so that a deposed chief does not end its successor's."""
+    """Ends a run the chief cannot go on with (it raises `reason` next):
+    STOP, then every ps told to exit (each within timing.END_SECS), unless
+    a successor holds the lock (its run is not ours to end)."""
     ops, options = chief.g.chief, _bounded(timing.END_SECS)
     try:
         if takeover.deposed_by(chief.session, chief.g.lock, chief.generation,
@@ -69,10 +65,9 @@ def _bounded(secs: float) -> tf.compat.v1.RunOptions:
 
 
 def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
-    """Hands the end to declared workers that join within
-    timing.FINISH_WAIT_SECS (a short run can end before they are up).
-    absorb: () -> the roster after the queued joins (bool [N]); seen: the
-    workers that joined, ourselves and the chief we took over from."""
+    """Hands the end to workers that join within timing.FINISH_WAIT_SECS
+    (a short run can end before they are up). absorb: () -> the roster
+    after the queued joins (bool [N]); seen: the workers already known."""
     never = set(range(cluster.num_workers)) - seen
     deadline = time.monotonic() + timing.FINISH_WAIT_SECS
     while never and time.monotonic() < deadline:
@@ -89,18 +84,16 @@ def end_late_joiners(session, end_op, absorb, cluster, seen: set) -> None:
 
 
 def on_ps0_silent(chief, step: int | None, who: str) -> None:
-    """ps 0 has not answered for --worker_timeout_secs, so the last
-    checkpoint stands (on the membership watch's thread)."""
+    """ps 0 silent for --worker_timeout_secs (on the membership watch's
+    thread). Alone, the chief ends the run at the last checkpoint."""
     at = "" if step is None else f" at step {step}"
     what = (f"{who} for {chief.config.worker_timeout_secs:.0f} s "
             f"(--worker_timeout_secs){at}")
-    # With other workers, wait as they do: the blocked run fails once the
-    # connection gives up, and we reconnect when ps 0 answers, still the
-    # chief unless a worker took over meanwhile (_check_still_chief).
+    # With other workers, wait as they do: we reconnect when ps 0 answers,
+    # still the chief unless a worker took over meanwhile.
     if chief.task.cluster.num_workers > 1:
         logging.warning("%s; waiting for it", what)
         return
-    # Alone, nothing goes on without us: the ps tasks must exit.
     shut_down_ps(chief, failed=True)
     chief.machine.post(Event(Kind.STALLED, (
         f"{what}; stopped; start every task again with the same flags to "
@@ -111,12 +104,11 @@ def halt_loop(chief, session, reason: str | None = None) -> None:
     """Sets the halt: the chief's loop ends at the next step boundary (any
     thread). Shared, so refused if another worker claimed the role since
     our claim; bounded, as the lock may be lost. reason: what to log."""
-    ops = chief.g.chief
+    ops, options = chief.g.chief, _bounded(chief.config.worker_timeout_secs)
     if chief.generation is None:   # not claimed yet: the loop has not begun
         if reason:
             logging.warning("%s before training began: stopping", reason)
         return
-    options = _bounded(chief.config.worker_timeout_secs)
     try:
         at = int(session.run(ops.halt_op, {ops.generation: chief.generation},
                              options=options))

@@ -1,5 +1,4 @@
-"""A ps task: serves the variables the workers place on it until the chief
-says the run is over."""
+"""A ps task: serves the workers' variables until the chief ends the run."""
 
 import time
 
@@ -10,22 +9,19 @@ from trainer.cluster import devices
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
+from trainer.roles import sessions, timing
 from trainer.sync import coordination
-from trainer.roles import sessions
-from trainer.roles import timing
 
 
 def serve(config: TrainConfig, task: Task, server) -> None:
-    """Serves variables until the chief puts an element in our queue.
-    Polls the queue's size (not `server.join()`, which never returns, so
-    that signals get through) and dequeues only once it is there: a
-    dequeue with a timeout could take it just as the deadline passed."""
+    """Serves variables until the chief queues our exit status. Polls the
+    queue's size (server.join() never returns, nor lets signals in), then
+    dequeues: one with a timeout could take it just as its deadline passed."""
     graph = tf.Graph()
     with graph.as_default(), tf.device(devices.ps_device(task.task_index)):
         queue = coordination.shutdown_queue(task.task_index)
         queued, take = queue.size(), queue.dequeue()
-    with sessions.open_session(server.target, graph, config,
-                               task) as session:
+    with sessions.open_session(server.target, graph, config, task) as session:
         logging.info("%s serving", task.describe())
         while not session.run(queued):
             time.sleep(timing.POLL_SECS)

@@ -1,6 +1,4 @@
-"""Every timing constant of a task's roles, in seconds, named for what it
-bounds and read as `timing.NAME`. The flags --worker_timeout_secs and
---startup_timeout_secs bound the rest; the sync rule's own are in pace.py."""
+"""The roles' timing constants, in seconds (the sync rule's are in pace.py)."""
 
 POLL_SECS = 0.25  # polling for a ps, the chief's handshake, a token, the end
 PROGRESS_LOG_SECS = 5.0  # logging that a task still waits for ps or chief
@@ -9,8 +7,8 @@ QUICK_CLOSE_SECS = 1.0  # closing a session whose runs failed
 BEAT_SECS = 0.5  # the chief's beat, and each worker's reading of it
 REFUSED_AFTER_SECS = 1.0  # silence after which a refusing port is gone
 MEMBERSHIP_CHECK_SECS = 0.5  # the chief's membership watch's check
-# A longer gap between two membership checks: the chief's process did
-# not run, and the workers' silence meanwhile is not held against them.
+# A longer gap between membership checks: the chief's process did not
+# run, and the workers' silence meanwhile is not held against them.
 STALL_SECS = 3.0
 WATCHDOG_CHECK_SECS = 2.0  # a worker's watchdog's check of the step
 WARN_EVERY_SECS = 10.0  # the watchdog's warning that the step stands still
@@ -21,8 +19,7 @@ JOIN_AGAIN_SECS = 5.0  # a worker not in the roster asks to join again
 # (--worker_timeout_secs later) sees the first's claim (nemesis seed 913).
 CLAIM_WAIT_SHARE = 0.5
 LEAVE_DEADLINE_SECS = 1.5  # a worker's message that it leaves (SIGTERM)
-# Time in the run before a worker builds ahead (run.py, standby.py).
-BUILD_AHEAD_AFTER_SECS = 30.0
+BUILD_AHEAD_AFTER_SECS = 30.0  # run time before a worker builds ahead
 PS_PORT_CHECK_SECS = 1.0  # the chief's check of a ps port
 FINISH_WAIT_SECS = 15.0  # the chief's wait for end reports and late joiners
 END_SECS = 5.0  # each message of a failed run's end (STOP, a ps to exit)

@@ -1,8 +1,7 @@
-"""A worker's watchdog over the global step while a run blocks (see "Lost
+"""A worker's watchdog over the global step while a run blocks ("Lost
 worker" in docs/how-it-works.md). A read of ps 0 that fails or outlasts
-timing.READ_DEADLINE_SECS is no progress: with ps 0 cut off, the run may
-never fail by itself (TCP retries a silent peer), and a RunOptions
-timeout did not end such a read."""
+timing.READ_DEADLINE_SECS is no progress: cut off from ps 0, a run may
+never fail (TCP retries; a RunOptions timeout did not end such reads)."""
 
 import contextlib
 import threading
@@ -16,9 +15,8 @@ from trainer.roles.background import BackgroundThread, ThreadCall
 
 
 class BoundedRead:
-    """Calls read() on a helper thread, waiting at most
-    timing.READ_DEADLINE_SECS (else TimeoutError). While an earlier call
-    still blocks, none starts: waiting on it again is another failure."""
+    """Calls read() on a helper thread for at most timing.READ_DEADLINE_SECS
+    (else TimeoutError); while an earlier call still blocks, none starts."""
 
     def __init__(self, read: Callable):
         self._read, self._call = read, None
@@ -30,7 +28,11 @@ class BoundedRead:
 
 
 class Watchdog(BackgroundThread):
-    """Warns about, then acts on, a global step that does not move."""
+    """Warns of, then acts on, a global step standing still. read_progress:
+    () -> (step, admitted flags per worker); describe_missing: flags -> who
+    the step waits for. Once, from the thread: on_timeout(step or None, who
+    or `unreachable`) after timeout_secs (timeout_flag) standing still;
+    on_return(secs) when ps 0 answers after >= return_after_secs without."""
 
     def __init__(self, read_progress: Callable[[], tuple[int, list]],
                  describe_missing: Callable[[list], str], timeout_secs: float,
@@ -39,12 +41,6 @@ class Watchdog(BackgroundThread):
                  timeout_flag: str = "--worker_timeout_secs",
                  on_return: Callable[[float], None] | None = None,
                  return_after_secs: float = 0.0):
-        """read_progress: () -> (global step, admitted flags per worker);
-        describe_missing: admitted flags -> who the step waits for. Called
-        once, from the thread: on_timeout(step or None, who or
-        `unreachable`) when the step stood still for timeout_secs (set by
-        timeout_flag); on_return(seconds without an answer) when ps 0
-        answers after at least return_after_secs without."""
         every = timing.WATCHDOG_CHECK_SECS
         super().__init__("watchdog", every, every * 3)
         self._read = BoundedRead(read_progress)
@@ -64,9 +60,8 @@ class Watchdog(BackgroundThread):
             self._busy.clear()
 
     def _idle(self, now: float) -> None:
-        """Forgets the busy period: no step seen, none failing."""
-        self._last_step, self._since, self._next_warning = None, now, None
-        self._failing_since = None
+        self._last_step = self._next_warning = self._failing_since = None
+        self._since = now
 
     def run_once(self) -> bool | None:
         """One check; False once on_timeout or on_return was called."""
