@@ -1,12 +1,10 @@
 """What the chief does with one event off sync/events (Averaging._act_on),
-with no variable in it: `decide` in the graph, its twin `decide_np`.
-
-Is the event's worker in the roster (in), the chief (ch), planned in the
-round (pl), admitted to it (ad); is the event for this step and round
-(cu); is a push timed from its token (ti, pace.timing). Then: the push is
-admitted (fresh) or dropped and counted (drop); the worker is in the
-roster after it ("in": unchanged); a membership record (its kind) is put;
-the round ends unfinished (lost). Every combination ('-': either value):
+with no variable in it: `decide` in the graph, its twin `decide_np`. In
+('-': either): the worker is in the roster (in), the chief (ch), planned
+(pl), admitted (ad); the event is this step and round's (cu); a push is
+timed (ti, pace.timing). Out: the push is admitted (fresh) or dropped and
+counted (drop); the worker's roster bit after ("in": unchanged); the
+membership record put (its kind); the round ends unfinished (lost):
 
     kind             in ch pl ad cu ti | fresh  drop  roster  record  lost
     PUSHED           1  -  1  0  1  -  | 1      0     1       none    0
@@ -29,8 +27,7 @@ the round ends unfinished (lost). Every combination ('-': either value):
     LOST or LEAVING  0  -  -  -  -  -  | 0      0     0       none    0
     LATE             -  -  -  -  -  -  | 0      0     in      none    0
 
-A LATE event that ends the round (pace.late's `abandon`) sets lost in
-any row. The reasons are in `decide`'s comments.
+A LATE event that ends the round (Pace.late's `abandon`) sets lost.
 """
 
 import dataclasses
@@ -44,7 +41,6 @@ from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 @dataclasses.dataclass
 class Acts:
     """What one event does (each of shape [], like decide's inputs)."""
-
     pushed: tf.Tensor       # bool: a push; its round goes to last_push
     unfinished: tf.Tensor   # bool: planned in the round, not admitted yet
     fresh: tf.Tensor        # bool: the push is admitted (admitted |= it)
@@ -80,9 +76,8 @@ def decide(kind, inside, other, planned, admitted, current, timed,
 def decide_np(kind: int, inside: bool, other: bool, planned: bool,
               admitted: bool, current: bool, timed: bool,
               abandon: bool) -> dict:
-    """`decide` in plain Python, row by row of the module's table: Acts'
-    fields but pushed and unfinished, as a dict of bools and ints;
-    record_kind is JOINED where there is no record."""
+    """`decide` in plain Python, row by row of the module's table: Acts
+    but pushed and unfinished, as a dict (record_kind JOINED if none)."""
     fresh = record = lost = False
     dropped, roster, record_kind = kind == PUSHED, inside, JOINED
     unfinished = planned and not admitted

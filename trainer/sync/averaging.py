@@ -1,11 +1,9 @@
 """The sync rule: who computes what in a step, what is averaged, when the
-step is applied. Change the rule here. Its invariants (what checks each:
-docs/how-it-works.md#invariants):
+step is applied. Its invariants (docs/how-it-works.md#invariants):
 
 I1. Step t's update is the mean, over exactly its global batch (each
     example once), of per-example gradients at step t - 1's parameters.
-I2. A push for (step, round) is admitted in that round only, at most once
-    (_take_event's `fresh`).
+I2. A push for (step, round) is admitted in that round only, at most once.
 I3. The global step never goes back: only count_and_advance sets it.
 I4. A worker out of the round gets no slice; a probe is never admitted.
 I5. A member reads step t's parameters only after step t - 1 is applied:
@@ -26,13 +24,9 @@ import dataclasses
 import tensorflow as tf
 
 from trainer.learning import fixed_point
-from trainer.sync import act_table
-from trainer.sync import pace as pace_lib
-from trainer.sync import queues
-from trainer.sync import slices as slices_lib
-from trainer.sync import state as state_lib
-from trainer.sync import step_record
-from trainer.sync.state import JOINED, set_at as _set
+from trainer.sync import (act_table, pace as pace_lib, queues,
+                          slices as slices_lib, state as state_lib,
+                          step_record)
 
 BALANCE_GAIN = 0.2   # balanced slices only for rounds 20% shorter (prefer)
 
@@ -40,7 +34,6 @@ BALANCE_GAIN = 0.2   # balanced slices only for rounds 20% shorter (prefer)
 @dataclasses.dataclass
 class Verdict:
     """How a round ended (tensors on ps 0)."""
-
     complete: tf.Tensor   # bool []: every needed member pushed
     rows: tf.Tensor       # int64 [R]: the admitted workers
 
@@ -57,9 +50,8 @@ class Averaging:
         ps 0) guarding every write; no lock (unit tests): unguarded."""
         self.shared, self.global_batch = shared, global_batch
         self.chief, self.lock, self.generation = chief, lock, generation
-        self.unit = micro_batch or 1
         self.backup_workers, self.slices = backup_workers, slices
-        self.pull_turns = pull_turns
+        self.pull_turns, self.unit = pull_turns, micro_batch or 1
         self.device = shared.shard_devices[0]
         self.pace = pace_lib.Pace(shared, slices, backup_workers, chief)
 
@@ -71,9 +63,8 @@ class Averaging:
         return self.lock.guarded(self.generation, write, refused, after)
 
     def plan(self, step: tf.Tensor) -> tuple:
-        """Starts a round of `step` (int64 []): slices, tokens, probes.
-        Returns (planned: bool [], false if a newer chief holds the lock;
-        the chief's token, int64 [4])."""
+        """Starts a round of `step` (int64 []): (planned: bool [], false if
+        a newer chief holds the lock; the chief's token, int64 [4])."""
         with tf.device(self.device):
             return self.guarded(
                 lambda: (tf.constant(True), self._plan(step)),
@@ -138,21 +129,17 @@ class Averaging:
             return Verdict(~aborted, rows)
 
     def _take_event(self, step, round_) -> tuple:
-        """One event off sync/events, acted on: (fresh, lost_member: bool
-        []). A deposed chief puts it back for the newer one and ends its
-        round."""
+        """(fresh, lost_member: bool []) of one event, the lock taken once
+        it is in; a deposed chief gives it back and ends its round."""
         event = self.shared.events.dequeue()
         def give_back():
             with tf.control_dependencies([self.shared.events.enqueue(event)]):
                 return tf.constant(False), tf.constant(True)
-        # The lock only once an event is in: not held while waiting.
         return self.guarded(lambda: self._act_on(event, step, round_),
                             give_back, after=[event[0]])
 
     def _act_on(self, event, step, round_) -> tuple:
-        """Acts on `event` (kind, worker: int32 []; step, round: int64 [];
-        sent_at: float64 [], ps 0's clock) in round `round_` of `step`
-        (int64 []) by act_table.py's table: (fresh, lost_member)."""
+        """Acts on `event` (SharedState.send_event's) by act_table.py."""
         s = self.shared
         kind, worker, for_step, for_round, sent_at = event
         # Every read first, every write after them (a read racing a write
@@ -161,7 +148,7 @@ class Averaging:
         inside = roster[worker]
         planned = s.planned.read_value()[worker]
         admitted = s.admitted.read_value()[worker]
-        fresh_start = tf.equal(kind, JOINED)  # (re)joined: measured afresh
+        fresh_start = tf.equal(kind, state_lib.JOINED)  # measured afresh
         timed, examples_now, secs_now = self.pace.timing(
             kind, worker, for_round, sent_at, fresh_start, planned)
         abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
@@ -172,14 +159,14 @@ class Averaging:
             timed, abandon)
         members = (state_lib.count(roster) - tf.cast(inside, tf.int32)
                    + tf.cast(acts.roster_now, tf.int32))
-        one = worker[None]
         with tf.control_dependencies([acts.roster_now, members, examples_now,
                                       secs_now, acts.unfinished, abandon]):
             ops = [bench_late, *self.pace.record(
                 worker, for_round, timed, fresh_start, examples_now,
                 secs_now),
-                _set(s.admitted, one, admitted | acts.fresh),
-                _set(s.roster, one, acts.roster_now),
+                state_lib.set_at(s.admitted, worker[None],
+                                 admitted | acts.fresh),
+                state_lib.set_at(s.roster, worker[None], acts.roster_now),
                 state_lib.set_if(s.last_push, worker, acts.pushed, for_round),
                 s.dropped.assign_add(tf.cast(acts.dropped, tf.int64),
                                      read_value=False),
@@ -189,9 +176,8 @@ class Averaging:
             return tf.identity(acts.fresh), tf.identity(acts.lost_member)
 
     def unfinished_round(self, step: tf.Tensor) -> tf.Tensor:
-        """step (int64 []) once every pull waiting for a turn (behind a
-        lost member, --ordered_pulls) is let through, to push stale and
-        take the new round's token."""
+        """step (int64 []) once every pull waiting for a turn behind a lost
+        member (--ordered_pulls) is let through to push stale."""
         with tf.device(self.device), tf.control_dependencies(
                 self.pull_turns.release_all()):
             return tf.identity(step)
@@ -221,8 +207,7 @@ class Averaging:
         mean_grads = []
         for grads, device in zip(s.grads, s.shard_devices):
             with tf.device(device):
-                # int32 rows (--deterministic) add up to the same sum
-                # in any order; float32 rows to nearly the same.
+                # int32 rows (--deterministic) sum alike in any order.
                 mean_grads.append(fixed_point.mean(
                     tf.reduce_sum(grads.sparse_read(rows), axis=0), stats[0],
                     s.fixed))
@@ -249,7 +234,6 @@ class Averaging:
 
 
 def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:
-    """variable[k] = value where where[k] (bool [N]), else unchanged."""
     old = variable.read_value()
     new = tf.cast(value, old.dtype) + tf.zeros_like(old)
     return variable.assign(tf.where(where, new, old), read_value=False)

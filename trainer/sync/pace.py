@@ -7,15 +7,13 @@ docs/how-it-works.md#synchronous-averaging-elastic ("Balanced slices").
 import numpy as np
 import tensorflow as tf
 
-from trainer.sync import queues
-from trainer.sync import slices as slices_lib
+from trainer.sync import queues, slices as slices_lib
 from trainer.sync.state import LATE, PUSHED, count as count_of, set_if
 
 SPEED_MEMORY = 0.7   # how much of a measured speed carries over a round
-# Benched: slices BENCH_FACTOR times every other member's, or a balanced
-# share under MIN_SHARE of an equal one (slices.benched). A probe (an
-# equal slice, timed, not waited for) PROBE_SECS after its last token,
-# twice as far apart each time it is benched again, up to 2^MAX_BACKOFF.
+# Benching (Pace.benched), and a benched worker's probe (an equal slice,
+# timed, not waited for) PROBE_SECS after its last token, twice as far
+# apart each time it is benched again, up to 2^MAX_BACKOFF.
 BENCH_FACTOR, MIN_SHARE, PROBE_SECS, MAX_BACKOFF = 2.0, 0.25, 2.0, 2
 # A round's deadline, after its plan: LATE_FACTOR times the second slowest
 # member's recent slice time, at least MIN_LATE_SECS (`late`).
@@ -34,20 +32,27 @@ class Pace:
         self.probe_secs = PROBE_SECS   # before the graph is built
 
     def benched(self, roster: tf.Tensor) -> tf.Tensor:
-        """bool [N]: members that sit this round out (slices.benched)."""
+        """bool [N]: members (roster: bool [N]), not the chief, whose fixed
+        cost per slice holds the round: slices over BENCH_FACTOR times every
+        other member's, or a speed under MIN_SHARE times the mean."""
         if not self.balanced:
             return tf.zeros_like(roster, tf.bool)
-        s = self.shared
-        return slices_lib.benched(s.slice_secs.read_value(),
-                                  s.speed.read_value(), roster, BENCH_FACTOR,
-                                  MIN_SHARE, self.chief)
+        speed = self.shared.speed.read_value()
+        secs = tf.where(roster, self.shared.slice_secs.read_value(), 0.0)
+        top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
+        second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
+        others = tf.where(tf.equal(secs, top[0]), second, top[0])
+        slow = (secs > BENCH_FACTOR * others) & (others > 0)
+        measured, mean = slices_lib.measured_mean(speed, roster)
+        few = measured & (speed < MIN_SHARE * mean)
+        return (slow | few) & tf.not_equal(tf.range(tf.size(secs)),
+                                           self.chief)
 
     def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
-        """(the benched (out: bool [N]) with no slice outstanding, PROBE_SECS
-        x 2^(times benched - 1) after their last token at `now` (float64
-        [], ps 0's clock): bool [N]; the op counting the members benched
-        since the last plan: it reads sync/planned, so the plan's writes
-        wait for it)."""
+        """(bool [N]: the benched (out: bool [N]) with no slice outstanding
+        whose probe is due at `now` (float64 [], ps 0's clock); the op
+        counting the members benched since the last plan: it reads
+        sync/planned, so the plan's writes wait for it)."""
         s = self.shared
         before = s.benched.read_value()
         newly = out & (s.planned.read_value() | tf.equal(before, 0))
@@ -77,12 +82,11 @@ class Pace:
                              (step, round_, wait))
 
     def late(self, kind, for_step, for_round, step, round_, sent_at) -> tuple:
-        """Acts on an event (kind: int32 []; for_step, for_round, step,
-        round_: int64 []; sent_at: float64 [], ps 0's clock): (the round
-        ends unfinished: bool [], the op benching its late member). Late:
-        planned, not admitted, not the chief; pushed: planned, not late
-        (the chief pushes before taking events); "this round": for_step,
-        for_round == step, round_; '-': any:
+        """(the round ends unfinished: bool [], the op benching its late
+        member) on an event (kind int32, steps and rounds int64, sent_at
+        float64 on ps 0's clock: []). Late: planned, not admitted, not the
+        chief; pushed: planned, not late (the chief pushes before taking
+        events); "this round": for_step, for_round == step, round_; '-': any:
 
             kind   this round  late    pushed | ends  benched
             LATE       1        1       >= 2  |  1    the late member
@@ -123,15 +127,12 @@ class Pace:
     def timing(self, kind, worker, for_round, sent_at, fresh_start,
                planned) -> tuple:
         """(timed: a push timed from its token's issue, bool []; worker's
-        slice examples and time averaged with it, float32 []), reset on
-        fresh_start (bool []). A push from outside this round's plan (a
-        probe, a slice a deadline left behind; planned: bool []) replaces
-        the measure that benched the worker: averaged, it would take many
-        probes to come back."""
+        slice examples and time averaged with it, float32 []; 0 on
+        fresh_start: bool []). A push from outside the plan (planned: bool
+        []; a probe, a deadline's leftover) replaces them, not averaged."""
         s = self.shared
-        # A worker's first slice since it joined (answered 0) warms up its
-        # session, often 10x a later one: kept, it would make the worker
-        # look slow, and everyone alike to the bench rule, for rounds.
+        # A worker's first slice since it joined (answered 0) is not
+        # averaged in: it warms up its session, often 10x a later one.
         first = tf.equal(s.answered.read_value()[worker], 0)
         timed = tf.equal(kind, PUSHED) & tf.equal(
             for_round, s.issued_round.read_value()[worker])

@@ -3,7 +3,6 @@ contiguous slice of at least one example each, in worker order, covering
 the batch once. Sizes are equal (to one) or, `--slices=balanced`, follow
 the measured speeds where that predicts clearly shorter rounds. Who
 computes which example never changes the average (learning/replica.py).
-`at_most`, `bounds` and `prefer` have NumPy twins (`*_np`) for tests.
 """
 
 import numpy as np
@@ -18,35 +17,17 @@ def weights(speed: tf.Tensor, members: tf.Tensor, mode: str) -> tf.Tensor:
     (speed 0) counts as the mean measured speed, or 1 if nobody is."""
     if mode == EQUAL:
         return tf.cast(members, tf.float32)
-    measured, mean = _measured_mean(speed, members)
+    measured, mean = measured_mean(speed, members)
     fill = tf.where(tf.reduce_any(measured), mean, 1.0)
     return tf.where(members, tf.where(speed > 0, speed, fill), 0.0)
 
 
-def _measured_mean(speed: tf.Tensor, members: tf.Tensor) -> tuple:
-    """(the members with a speed: bool [N], their mean speed: float32 [],
-    0 if none)."""
+def measured_mean(speed: tf.Tensor, members: tf.Tensor) -> tuple:
+    """(the measured members: bool [N], their mean speed or 0: float32 [])."""
     measured = members & (speed > 0)
     return measured, tf.math.divide_no_nan(
         tf.reduce_sum(tf.where(measured, speed, 0.0)),
         tf.reduce_sum(tf.cast(measured, tf.float32)))
-
-
-def benched(slice_secs: tf.Tensor, speed: tf.Tensor, roster: tf.Tensor,
-            factor: float, min_share: float, chief: int = 0) -> tf.Tensor:
-    """bool [N]: members but the chief that sit this round out (slice_secs,
-    speed: float32 [N], 0 until measured; roster: bool [N]): those whose
-    slices took over `factor` times every other member's, or whose speed
-    is under `min_share` times the mean. Either way its fixed cost per
-    slice, not its share, holds the round (docs/how-it-works.md)."""
-    secs = tf.where(roster, slice_secs, 0.0)
-    top = tf.math.top_k(secs, tf.minimum(2, tf.size(secs))).values
-    second = top[-1] if secs.shape[0] > 1 else tf.constant(0.0)
-    others = tf.where(tf.equal(secs, top[0]), second, top[0])
-    slow = (secs > factor * others) & (others > 0)
-    measured, mean = _measured_mean(speed, roster)
-    few = measured & (speed < min_share * mean)
-    return (slow | few) & tf.not_equal(tf.range(tf.size(secs)), chief)
 
 
 def at_most(members: tf.Tensor, count: int, chief: int = 0) -> tf.Tensor:
@@ -72,9 +53,9 @@ def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
     """[first, end) per worker (int64 [N, 2]) of a global batch cut in
     proportion to `weight` (float32 [N]; 0: not a member, empty slice),
     in whole units of `unit` rows (--micro_batch, dividing the batch).
-    Shares round down, to at least one; an excess is taken one by one
-    from the largest slices, what is left given one by one to the
-    largest remainders (ties: the lower index)."""
+    Shares round down to at least one; an excess is taken one unit at a
+    time from the largest slice, a lack given to the largest remainders
+    (ties: the lower index)."""
     member = weight > 0
     batch = tf.cast(global_batch // unit, tf.int64)
     share = weight / tf.reduce_sum(weight) * tf.cast(batch, tf.float32)
@@ -87,7 +68,6 @@ def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
                             take_one, [base])
     left = batch - tf.reduce_sum(base)
     remainder = tf.where(member, share - tf.cast(base, tf.float32), -2.0)
-    # Stable: equal remainders keep worker order.
     rank = tf.math.invert_permutation(tf.argsort(-remainder, stable=True))
     sizes = base + tf.cast((tf.cast(rank, tf.int64) < left) & member, tf.int64)
     ends = tf.cumsum(sizes)
@@ -96,11 +76,9 @@ def bounds(weight: tf.Tensor, global_batch: int, unit: int = 1) -> tf.Tensor:
 
 def prefer(base: tf.Tensor, new: tf.Tensor, weight: tf.Tensor,
            gain: float) -> tf.Tensor:
-    """`base` (int64 [N, 2], e.g. the equal cut of the same members)
-    unless the speeds `weight` (float32 [N]) predict it takes over 1 +
-    `gain` times as long as `new`; then `new`. A slice's time is noisy:
-    cuts that followed it moved examples back and forth between equal
-    hosts, each round waiting for whichever the noise overloaded."""
+    """`base` (int64 [N, 2], e.g. the equal cut of the same members), or
+    `new` if the speeds `weight` (float32 [N]) predict `base` takes over
+    1 + `gain` times as long (why: docs/how-it-works.md, BALANCE_GAIN)."""
     def finish(cut):  # predicted time of the round's slowest member
         sizes = tf.cast(cut[:, 1] - cut[:, 0], tf.float32)
         return tf.reduce_max(tf.math.divide_no_nan(sizes, weight))

@@ -1,12 +1,9 @@
 """The synchronous protocol's shared state on the ps tasks, built alike by
-every worker (variables match by name, queues by shared_name). All on ps 0
-but the gradient rows, which sit with their shard. The queues:
-- sync/tokens_<k>: worker k's tokens from the chief, int64 [4] (step,
-  round, first, end); a negative step is STOP or REJOIN.
-- sync/events: (kind, worker, step, round, time) for the chief: a push,
-  a join, a worker lost (membership watch) or leaving on SIGTERM.
-- sync/membership: (step, kind, worker, members after) at each roster
-  change, from the chief's graph to its Python side (log, results.json).
+every worker (variables match by name, queues by shared_name), all on ps 0
+but the gradient rows, which sit with their shard. Queues: sync/tokens_<k>
+(the chief's to worker k; a negative step is STOP or REJOIN), sync/events
+(to the chief: send_event), sync/deadlines (to its deadline thread,
+pace.py), sync/membership (roster changes, to the chief's Python side).
 """
 
 import tensorflow as tf
@@ -23,8 +20,7 @@ NO_PS_DOWN = -1   # sync/ps_down: every ps serves its own shards
 # chief's: its worker builds the chief's way and joins again.
 SERVING_CHANGED = "the chief serves the shards from other ps tasks now"
 
-# Event kinds on sync/events (and membership records); LATE: a round's
-# deadline passed (trainer/roles/deadlines.py).
+# Event kinds on sync/events and membership records (LATE: deadlines.py).
 PUSHED, JOINED, LOST, LEAVING, LATE = 0, 1, 2, 3, 4
 EVENT_NAMES = {JOINED: "joined", LOST: "left", LEAVING: "left"}
 
@@ -33,8 +29,7 @@ TRANSIENT = "sync_transient_variables"
 
 
 def ps_variable(name, shape, dtype, initializer, transient):
-    """A non-trainable global resource variable on the current device, in
-    TRANSIENT if `transient`."""
+    """A global non-trainable resource variable; TRANSIENT if `transient`."""
     return tf.compat.v1.get_variable(
         name, shape, dtype, initializer=initializer, trainable=False,
         use_resource=True,
@@ -42,10 +37,9 @@ def ps_variable(name, shape, dtype, initializer, transient):
             [TRANSIENT] if transient else []))
 
 
-def _zeros(name, shape, dtype):
-    """A ps_variable in TRANSIENT that starts at zeros."""
+def _zeros(name, shape, dtype, transient=True):
     return ps_variable(name, shape, dtype, tf.compat.v1.zeros_initializer(),
-                       transient=True)
+                       transient)
 
 
 def set_at(variable, index, value) -> tf.Operation:
@@ -55,8 +49,7 @@ def set_at(variable, index, value) -> tf.Operation:
 
 
 def set_if(variable, worker, when, value) -> tf.Operation:
-    """variable[worker] = value if `when` (worker: int32 []; when: bool
-    []; value: a scalar)."""
+    """variable[worker] = value if `when` (worker: int32 []; when: bool [])."""
     return set_at(variable, worker[None], tf.where(
         when, value, variable.read_value()[worker]))
 
@@ -89,18 +82,17 @@ class SharedState:
         self.grad_dtype = fixed_point.DTYPE if fixed else tf.float32
         self.shard_sizes, self.shard_devices = shard_sizes, shard_devices
         self.ps_down_here = NO_PS_DOWN if ps_down is None else ps_down
-        zeros = tf.compat.v1.zeros_initializer()
         n = [num_workers]
         with tf.device(shard_devices[0]):
-            self.global_step = ps_variable("global_step", [], tf.int64, zeros,
-                                           transient=False)
+            self.global_step = _zeros("global_step", [], tf.int64,
+                                      transient=False)
             # The ps the chief's graph does without, set at its every start:
             # a push from a graph that differs is refused (transport.py).
             self.ps_down = ps_variable(
                 "sync/ps_down", [], tf.int64,
                 tf.compat.v1.constant_initializer(NO_PS_DOWN), transient=True)
-            self.dropped = ps_variable("sync/dropped_gradients", [], tf.int64,
-                                       zeros, transient=False)
+            self.dropped = _zeros("sync/dropped_gradients", [], tf.int64,
+                                  transient=False)
             # Who is in (bool [N]); the chief is always in.
             self.roster = ps_variable(
                 "sync/roster", n, tf.bool, tf.compat.v1.constant_initializer(
@@ -115,10 +107,8 @@ class SharedState:
             # Set by the chief's Python side: end the loop at the next step
             # boundary (SIGTERM, too few workers).
             self.halt = _zeros("sync/halt", [], tf.int64)
-            self.events = queues.shared_queue("sync/events", [  # send_event
+            self.events = queues.shared_queue("sync/events", [
                 tf.int32, tf.int32, tf.int64, tf.int64, tf.float64], [[]] * 5)
-            # (step, round, seconds): when to send a round's LATE event
-            # (pace.py); only the chief's thread takes them.
             self.deadlines = queues.shared_queue(
                 "sync/deadlines", [tf.int64, tf.int64, tf.float32], [[]] * 3)
             self.membership = queues.shared_queue("sync/membership", [
@@ -126,14 +116,18 @@ class SharedState:
             self.tokens = [queues.shared_queue(f"sync/tokens_{k}", [tf.int64],
                                                [[TOKEN_SIZE]])
                            for k in range(num_workers)]
-        self.grads = [self._gradient_rows(s) for s in range(len(shard_sizes))]
+        # grads[s]: grad_dtype [N, n_s] on shard s's ps; row k: worker k's
+        # gradient sum over its latest slice.
+        self.grads = []
+        for shard, size in enumerate(shard_sizes):
+            with tf.device(shard_devices[shard]):
+                self.grads.append(_zeros(f"sync/grads_{shard}",
+                                         [num_workers, size], self.grad_dtype))
 
     def _worker_variables(self, n: list, train_steps: int) -> None:
-        """Per worker timing, and what pushes and averages held (on ps 0)."""
-        # Examples per second over its recent rounds (0: unmeasured), which
-        # balanced slices follow: slice_examples over slice_secs, both
-        # averaged alike (a ratio of averages, which a few unthrottled
-        # slices do not skew as an average of ratios would).
+        # Examples per second (0: unmeasured), which balanced slices
+        # follow: averaged slice_examples over averaged slice_secs, which
+        # a few unthrottled slices skew less than an average of rates.
         self.speed = _zeros("sync/speed", n, tf.float32)
         self.slice_examples = _zeros("sync/slice_examples", n, tf.float32)
         # Seconds from token to push; when (ps 0's clock) and in which
@@ -144,8 +138,7 @@ class SharedState:
         self.answered = _zeros("sync/answered", n, tf.int64)
         # Times benched since it joined (its probes' backoff, pace.py).
         self.benched = _zeros("sync/benched", n, tf.int64)
-        # The round of its latest push, stale or not: the membership
-        # watch hears from a worker by it.
+        # Its latest push's round, stale or not (the membership watch's).
         self.last_push = _zeros("sync/last_push", n, tf.int64)
         # [steps whose average held its gradient, examples it gave them];
         # its stats; [first, end) of its latest push.
@@ -164,13 +157,6 @@ class SharedState:
             "sync/membership_log", None, tf.string, tf.constant("[]"),
             transient=True)
 
-    def _gradient_rows(self, shard: int):
-        """grad_dtype [N, n_s] on shard s's ps: row k is worker k's
-        gradient sum over its latest slice."""
-        with tf.device(self.shard_devices[shard]):
-            return _zeros(f"sync/grads_{shard}", [
-                self.num_workers, self.shard_sizes[shard]], self.grad_dtype)
-
     def send_event(self, kind: int, worker, step=-1, round_=-1
                    ) -> tf.Operation:
         """Puts (kind, worker, step, round, time) on sync/events (worker:
@@ -183,27 +169,22 @@ class SharedState:
                 tf.timestamp()))
 
     def _take_all(self, queue, wait: bool):
-        """All of `queue` ([n] tensors), waiting for one if `wait`."""
         with tf.device(self.shard_devices[0]):
             size = queue.size()
             return queue.dequeue_many(tf.maximum(size, 1) if wait else size)
 
     def next_token(self, worker: int) -> tf.Tensor:
-        """Waits for worker's next token (int64 [TOKEN_SIZE]). Tokens
-        queued while it was busy are for rounds that are over (re-planned
-        after a worker left): it takes them all and keeps the newest."""
+        """Waits for worker's next token (int64 [TOKEN_SIZE]): the newest
+        queued, the older ones being for rounds re-planned since."""
         return self._take_all(self.tokens[worker], True)[-1]
 
     def drain_tokens(self, worker: int) -> tf.Operation:
         """Drops whatever is in worker's token queue (before it joins)."""
         return self._take_all(self.tokens[worker], False)[0].op
 
-    def give_all(self, value: tf.Tensor, chief: int, after=()
-                 ) -> tf.Operation:
-        """After `after`, puts token `value` in every worker's queue but
-        the chief's."""
-        with tf.device(self.shard_devices[0]), \
-                tf.control_dependencies(list(after)):
+    def give_all(self, value: tf.Tensor, chief: int, after=()) -> tf.Operation:
+        """After `after`, puts token `value` in every queue but the chief's."""
+        with tf.device(self.shard_devices[0]), tf.control_dependencies(after):
             return tf.group([q.enqueue(value) for k, q in
                              enumerate(self.tokens) if k != chief])
 
