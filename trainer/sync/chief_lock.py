@@ -1,25 +1,15 @@
 """Exactly one chief: its generation, and the lock every write of the rule
-takes (docs/how-it-works.md tells the whole story).
+takes (docs/how-it-works.md, "Exactly one chief", tells the whole story).
 
-A chief cut off is not gone: its loop runs on ps 0 (roles/step.py),
-blocked, and would plan, admit or apply as soon as its link returns, after
-another worker took its work over (roles/takeover.py). So:
-
-- `sync/chief_lock`, a queue of capacity 1 on ps 0, holds the current
-  generation. Each write of the rule (a plan, acting on an event, a step's
-  update and advance) takes it out, writes only if it is the writing
-  loop's own, and puts it back; nobody can take it in between.
-- A claim (a chief's start) takes it out, waiting for a write in flight,
-  and puts back generation + 1: every later write of an older chief is
-  refused, whatever its link does, and its loop ends. Of two claims at
-  once the later wins.
-- A chief killed between a take and its put leaves the lock empty, its
-  write perhaps half done: a claim that waits for the lock in vain
-  (takeover.claim_wait) restores the newest checkpoint.
-- With --ps_mirrors, `ps_mirror/chief_generation` on ps 1 keeps the last
-  claimed generation, so that a claim on a ps 0 started again gives out
-  none twice (a deposed chief stays deposed).
-"""
+A chief cut off still has its loop on ps 0, which writes once its link
+returns. So `sync/chief_lock`, a queue of capacity 1 on ps 0, holds the
+current generation: each write of the rule takes it out, writes only if
+it is its loop's own, and puts it back. A claim takes it (waiting for a
+write in flight) and puts back generation + 1, refusing every later write
+of an older chief. A chief killed between a take and its put leaves the
+lock empty: a claim waiting in vain (takeover.claim_wait) restores.
+`ps_mirror/chief_generation` on ps 1 (--ps_mirrors) keeps the last
+claimed generation: a ps 0 started again gives out none twice."""
 
 import tensorflow as tf
 
@@ -28,17 +18,14 @@ GENERATION, INDEX, BEATS = 0, 1, 2   # the fields of sync/chief
 
 class ChiefLock:
     """The lock and `sync/chief` (int64 [3]: generation, worker index,
-    beats: who the chief is, and that it lives) on ps 0, built alike by
-    every worker; written by the first claim, the record outlives restores."""
+    beats) on ps 0, built alike by every worker; it outlives restores."""
 
     def __init__(self, device: str, copy_device: str | None = None):
-        """copy_device: where the last claimed generation has a copy (ps 1,
-        with --ps_mirrors), or None. The claim's ops, run from Python
-        (takeover.py): take (int64 [], waits while the lock is out), put
-        (records (generation_in, index_in, 0 beats), then fills the lock),
-        recorded (int64 [3]; fails before the first claim), is_recorded,
-        size (1 while the lock is in), beat, last_generation (the copy's;
-        0 without one)."""
+        """copy_device: where the last claimed generation is copied (ps 1
+        with --ps_mirrors), or None. A claim's ops (takeover.py): take
+        (waits while the lock is out), put (records generation_in, index_in,
+        0 beats, then fills the lock), recorded (int64 [3]; fails before the
+        first claim), size (1 while the lock is in), last_generation."""
         self.device = device
         with tf.device(device):
             self.queue = tf.queue.FIFOQueue(
@@ -63,13 +50,12 @@ class ChiefLock:
                     recorded.append(copy.assign(self.generation_in,
                                                 read_value=False))
                     self.last_generation = tf.cond(
-                        tf.raw_ops.VarIsInitializedOp(resource=copy.handle),
-                        copy.read_value, lambda: tf.constant(0, tf.int64))
+                        copy.is_initialized(), copy.read_value,
+                        lambda: tf.constant(0, tf.int64))
             with tf.control_dependencies(recorded):
                 self.put = self.queue.enqueue(self.generation_in)
             self.recorded = self.record.read_value()
-            self.is_recorded = tf.raw_ops.VarIsInitializedOp(
-                resource=self.record.handle)
+            self.is_recorded = self.record.is_initialized()
             self.beat = self.beat_op()
 
     def guarded(self, generation: tf.Tensor, write, refused, after=()):
@@ -111,7 +97,6 @@ class ChiefLock:
 
 
 def _unsaved(name: str, shape: list) -> tf.Variable:
-    """int64 zeros in no collection: not saved, nor initialized."""
     return tf.compat.v1.get_variable(
         name, shape, tf.int64, initializer=tf.compat.v1.zeros_initializer(),
         trainable=False, use_resource=True, collections=[])

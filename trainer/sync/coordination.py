@@ -1,22 +1,18 @@
 """The run's coordination on ps 0, beside averaging: handshake, joins,
-start, stop and end, end-of-run reports and shutdown (ps task i waits on
-`shutdown/ps_<i>` for the chief's 0, done, or 1, failed). Handshake: each
-worker builds `sync/cluster_fingerprint` from its own description of the
-run, but only the chief initializes it, last: a worker that sees it
-initialized knows the chief is ready, and compares texts.
-"""
+start, stop, end, end-of-run reports and the ps tasks' shutdown. Only the
+chief initializes `sync/cluster_fingerprint`, last: a worker that sees it
+initialized knows the chief is ready, and compares it with its own text."""
 
 import tensorflow as tf
 
-from trainer.sync import queues
-from trainer.sync import state as state_lib
+from trainer.sync import queues, state as state_lib
 from trainer.sync.state import JOINED, REJOIN, STOP
 
 NOT_HALTED = -1   # halt_op's answer to a deposed chief
 
 
 def shutdown_queue(ps_index: int) -> tf.queue.FIFOQueue:
-    """The queue ps task `ps_index` waits on to exit; build it on that ps."""
+    """Built on ps `ps_index`: the queue it exits on (0: done, 1: failed)."""
     return queues.shared_queue(f"shutdown/ps_{ps_index}", [tf.int32], [[]])
 
 
@@ -55,8 +51,7 @@ class RunCoordination:
 
     def join_op(self, worker: int) -> tf.Operation:
         """Drops worker's stale tokens, then asks the chief in."""
-        drained = self.shared.drain_tokens(worker)
-        with tf.control_dependencies([drained]):
+        with tf.control_dependencies([self.shared.drain_tokens(worker)]):
             return self.shared.send_event(JOINED, worker)
 
     def report_finished(self, worker: int, pushed: tf.Tensor) -> tf.Operation:
@@ -66,9 +61,8 @@ class RunCoordination:
 
     def start_op(self) -> tf.Operation:
         """The chief's, before marking ready: forgets a previous chief's
-        events, stop and halt, records which ps it does without, makes
-        itself the only member, releases the pull turns, and asks every
-        worker still running to join again (REJOIN)."""
+        events, stop and halt, records the ps it does without, is the only
+        member, releases the pull turns, asks every worker to REJOIN."""
         s = self.shared
         with tf.device(self.device):
             alone = tf.one_hot(self.chief, s.num_workers, True, False)

@@ -1,11 +1,9 @@
 """Mirrors (--ps_mirrors): a copy of every ps's shards and optimizer state
 on the next ps, updated alike inside the chief's guarded write, so that a
-ps started again is refilled from the copies, not from a checkpoint
-(docs/how-it-works.md, "A lost ps, and its mirrors"). ps 0's step has two
-copies on ps 1: `begun`, set to the step a write brings the run to before
-anything on ps 1 is written, and `global_step`, set at its end. Where they
-differ a write was cut short, and ps 0 is not refilled (the chief restores).
-"""
+ps started again is refilled from them (docs/how-it-works.md, "A lost ps,
+and its mirrors"). ps 0's step has two copies on ps 1: `begun`, set before
+a write touches ps 1, and `global_step`, set at its end; where they differ
+a write was cut short, and ps 0 is not refilled (the chief restores)."""
 
 from absl import logging
 import tensorflow as tf
@@ -74,8 +72,7 @@ class Mirrors:
     def advance(self, next_step: tf.Tensor) -> tf.Tensor:
         """next_step (int64 [], the new global step) once copied to ps 1,
         after the step's write on ps 0: that write is whole there."""
-        with tf.device(self.step_copy.device), \
-                tf.control_dependencies([next_step]):
+        with tf.device(self.step_copy.device):
             copied = self.step_copy.assign(next_step, read_value=False)
         with tf.control_dependencies([copied]):
             return tf.identity(next_step)
@@ -109,8 +106,7 @@ def _copy(name: str, like: tf.Variable, trainable=False) -> tf.Variable:
 
 
 def _other_state(optimizer, slotted: list) -> list:
-    """The optimizer's variables that are not slots of `slotted`, sorted by
-    name, in which the two optimizers differ by a suffix (beta1_power_1)."""
+    # By name, in which the two optimizers differ by a suffix (beta1_power_1)
     slots = {optimizer.get_slot(v, n).op.name for v in slotted
              for n in optimizer.get_slot_names()}
     return sorted((v for v in optimizer.variables()
@@ -142,7 +138,7 @@ class Refill:
         string [n]) if each has a live partner, whole. Returns whether ps
         0's state was refilled (the step record then starts afresh)."""
         missing = [m.decode() for m in session.run(uninitialized)]
-        fills = self.ops_for(missing) if missing else None
+        fills = self.ops_for(missing)
         if not fills:
             return False
         ps0 = self._ps0_step in missing
@@ -154,9 +150,8 @@ class Refill:
         # Copies whose primary lived may be behind: none were written while
         # a ps was done without (trainer/roles/without_ps.py).
         session.run(self.copy_all)
-        where = sorted({self.device[m] for m in missing if m in self.device})
         logging.warning("refilled %s from the mirrors: nothing restored",
-                        ", ".join(where))
+                        ", ".join(sorted({self.device[m] for m in missing})))
         return ps0
 
     def take_back(self, session, device: str) -> None:

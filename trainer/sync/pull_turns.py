@@ -1,16 +1,12 @@
-"""Ordered pulls (--ordered_pulls): workers read the parameters one at a
-time, in order (why: docs/how-it-works.md, "Ordered pulls").
-
-Shard s serves the workers in the order s, s + 1, ... (mod N), so that no
+"""Ordered pulls (--ordered_pulls; docs/how-it-works.md, "Ordered pulls"):
+shard s serves the workers in the order s, s + 1, ... (mod N), so that no
 worker's link takes two shards at once. Worker k reads shard s for step t
 once it takes a turn >= t (earlier ones are stale) from
 `sync/pull_turn_<s>_<k>` on that shard's ps, put there by its predecessor
-once its own copy arrived. So that a turn lost or not passed stalls no
-one, a round's plan gives the turn to each member whose predecessor is out
-(`cover_absent`), and a (re)started or stopping chief puts RELEASE (any
-step passes) in every queue; one nobody waited for lets a later pull
-through early, which costs only the order.
-"""
+once its own copy arrived. A lost turn stalls no one: a round's plan gives
+the turn to each member whose predecessor is out, and a (re)started or
+stopping chief puts RELEASE (any step passes) in every queue; one nobody
+waited for lets a later pull through early, costing only the order."""
 
 import tensorflow as tf
 
@@ -35,30 +31,27 @@ class PullTurns:
 
     def wait(self, worker: int, step: tf.Tensor) -> list:
         """Per shard s, `step` (int64 []) once `worker` may read s for it."""
-        ready = []
-        for s, device in enumerate(self.devices):
-            queue = self.queues.get((s, worker))
-            if queue is None:
-                ready.append(step)
+        ready = [step] * len(self.devices)
+        for (s, k), queue in self.queues.items():
+            if k != worker:
                 continue
-            with tf.device(device):
+            with tf.device(self.devices[s]):
                 (turn,) = tf.while_loop(
                     lambda turn: turn < step, lambda turn: [queue.dequeue()],
                     [tf.constant(-1, tf.int64)], parallel_iterations=1)
                 with tf.control_dependencies([turn]):
-                    ready.append(tf.identity(step))
+                    ready[s] = tf.identity(step)
         return ready
 
     def pass_on(self, worker: int, step: tf.Tensor, received: list) -> list:
         """Ops giving the next worker of each shard's order its turn for
         `step` once `received[s]` (worker's copy of shard s) is there."""
         passes = []
-        following = (worker + 1) % self.num_workers
-        for s, device in enumerate(self.devices):
-            queue = self.queues.get((s, following))
-            if queue is not None:
+        for (s, k), queue in self.queues.items():
+            if k == (worker + 1) % self.num_workers:
                 # A control edge from the worker to the ps: a few bytes.
-                with tf.device(device), tf.control_dependencies([received[s]]):
+                with tf.device(self.devices[s]), \
+                        tf.control_dependencies([received[s]]):
                     passes.append(queue.enqueue(step))
         return passes
 
@@ -67,8 +60,7 @@ class PullTurns:
         predecessor in a shard's order is out."""
         ops = []
         for (s, k), queue in self.queues.items():
-            prev = (k - 1) % self.num_workers
-            absent = tf.logical_and(members[k], tf.logical_not(members[prev]))
+            absent = members[k] & ~members[(k - 1) % self.num_workers]
             with tf.device(self.devices[s]):
                 ops.append(queues.put_if(queue, absent, [step]))
         return ops

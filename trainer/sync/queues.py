@@ -6,8 +6,7 @@ CAPACITY = 1 << 30   # never full: a blocked enqueue would stall its sender
 
 
 def shared_queue(shared_name: str, dtypes: list, shapes: list):
-    """A FIFOQueue on the current device, one for every task that builds it
-    with the same shared_name; its op is named after it."""
+    """A FIFOQueue on this device, one for all tasks naming it alike."""
     return tf.queue.FIFOQueue(CAPACITY, dtypes, shapes=shapes,
                               shared_name=shared_name,
                               name=shared_name.replace("/", "_"))

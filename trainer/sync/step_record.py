@@ -3,8 +3,7 @@
 the global batch exactly once (1; 0 if an example was missed or doubled, 2
 if applied twice: invariants I1 and I7, docs/how-it-works.md), then each
 worker's examples. The chief saves it to RECORD_FILE in --logdir; the
-nemesis judges every step by it.
-"""
+nemesis judges every step by it."""
 
 import pathlib
 
@@ -19,22 +18,20 @@ RECORD_FILE = "averaged_by_step.npy"
 
 def record_step(s, global_batch: int, step, admitted, examples
                 ) -> tf.Operation:
-    """by_step[step] of SharedState `s` = [its count, plus 1 if the
-    admitted (bool [N]) workers' pushed slices cover rows [0, global batch)
-    exactly once; then each one's examples (float32 [N], from stats)]."""
+    """Adds 1 to by_step[step] of SharedState `s` if the admitted (bool
+    [N]) slices cover the global batch once; sets examples (float32 [N])."""
     pushed = s.pushed_slices.read_value()
     rows = tf.range(global_batch, dtype=tf.int64)[None, :]
-    covers = tf.logical_and(rows >= pushed[:, :1], rows < pushed[:, 1:])
-    times = tf.reduce_sum(tf.cast(tf.logical_and(
-        covers, admitted[:, None]), tf.int32), axis=0)
+    covers = ((rows >= pushed[:, :1]) & (rows < pushed[:, 1:])
+              & admitted[:, None])
+    times = tf.reduce_sum(tf.cast(covers, tf.int32), axis=0)
     once = tf.cast(tf.reduce_all(tf.equal(times, 1)), tf.int32)
     index = tf.minimum(step, s.by_step.shape[0] - 1)
     # Added, not set: a step applied twice reads 2. A gather of the one
     # row: reading the whole record each step costs as the run is long.
     applied = s.by_step.sparse_read(index[None])[0, 0] + once
-    row = tf.concat([applied[None],
-                     tf.cast(tf.round(examples), tf.int32)], axis=0)
-    return state_lib.set_at(s.by_step, index[None], row)
+    return state_lib.set_at(s.by_step, index[None], tf.concat(
+        [applied[None], tf.cast(tf.round(examples), tf.int32)], axis=0))
 
 
 def steps_not_once(record: np.ndarray, batch: int, first: int,

@@ -1,19 +1,16 @@
-"""Moving a step's data between a worker and the ps tasks: one tensor per
-shard each way, in the wire dtype (wire.py), cast on the sending device so
-that the narrow tensor crosses, rounded to nearest even and widened
-exactly. The token and statistics ride bit-exact; the ps keeps float32."""
+"""A step's data between a worker and the ps tasks: one tensor per shard
+each way, cast to the wire dtype (wire.py) on the sending device, so that
+the narrow tensor crosses (rounded to nearest even, widened exactly)."""
 
 import tensorflow as tf
 
 from trainer.learning.replica import NUM_STATS
-from trainer.sync import state as state_lib
-from trainer.sync import wire
-from trainer.sync.state import set_at, TOKEN_SIZE
+from trainer.sync import state as state_lib, wire
+from trainer.sync.state import TOKEN_SIZE, set_at
 
 
 def _unpack(packed: tf.Tensor, sizes: list[int]) -> list[tf.Tensor]:
-    """tf.split by slices: a slice at an aligned offset shares the buffer
-    instead of copying it, so the big first piece costs nothing."""
+    # Not tf.split: an aligned slice shares the buffer, a split copies it.
     pieces, start = [], 0
     for size in sizes:
         pieces.append(tf.slice(packed, [start], [size]))
@@ -26,8 +23,7 @@ class Transport:
 
     def __init__(self, shared: state_lib.SharedState, wire_dtype):
         """wire_dtype: one of wire.DTYPES or its name, else UserError."""
-        self.shared = shared
-        self.wire_dtype = wire.wire_dtype(wire_dtype)
+        self.shared, self.wire_dtype = shared, wire.wire_dtype(wire_dtype)
 
     def pull(self, token: tf.Tensor, shard_variables: list,
              ready: list) -> tuple:
@@ -73,7 +69,7 @@ class Transport:
                       set_at(shared.stats, row, wire.bits_from_wire(
                           stats_bits, tf.float32, [NUM_STATS])),
                       set_at(shared.pushed_slices, row, token_ps[2:])]
-            step_ps, round_ps = token_ps[0], token_ps[1]
+            step, round_ = token_ps[0], token_ps[1]
         for s in range(1, len(shared.grads)):
             with tf.device(shared.shard_devices[s]):
                 writes.append(set_at(shared.grads[s], row,
@@ -87,5 +83,4 @@ class Transport:
                 tf.constant(shared.ps_down_here, tf.int64),
                 message=state_lib.SERVING_CHANGED)
         with tf.control_dependencies([same]):
-            return shared.send_event(state_lib.PUSHED, worker, step_ps,
-                                     round_ps)
+            return shared.send_event(state_lib.PUSHED, worker, step, round_)

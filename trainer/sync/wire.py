@@ -2,10 +2,8 @@
 (--wire_dtype); the ps tasks keep, sum and apply float32. `bfloat16` has
 float32's range and 8 significant bits; `float16` 11 bits but a range of
 +-65504, so a worker's gradient SUM can cross as inf (then every later
-loss is inf or NaN); `float32` adds no op. Fixed-point (int32) sums cross
-as they are. Exact values (the int64 token, float32 stats) ride in the
-same tensors as bits (`tf.bitcast`), which concat and slice copy as such.
-"""
+loss is inf or NaN). Fixed-point (int32) sums cross as they are. The int64
+token and float32 stats ride bit-exact in the same tensors (`tf.bitcast`)."""
 
 import tensorflow as tf
 
@@ -20,14 +18,13 @@ assert tuple(DTYPES) == WIRE_DTYPES
 def wire_dtype(value) -> tf.DType:
     """The DTYPES dtype `value` (a tf.DType or a name) names, or UserError."""
     try:
-        dtype = tf.as_dtype(value)
+        if (dtype := tf.as_dtype(value)).name in DTYPES:
+            return dtype
     except (TypeError, ValueError):
-        dtype = None
-    if dtype is None or dtype.name not in DTYPES:
-        raise UserError(f"wire dtype {value!r} is not supported; use one of "
-                        f"{', '.join(DTYPES)} (bfloat16 halves the traffic "
-                        f"with float32's range)")
-    return dtype
+        pass
+    raise UserError(f"wire dtype {value!r} is not supported; use one of "
+                    f"{', '.join(DTYPES)} (bfloat16 halves the traffic "
+                    f"with float32's range)")
 
 
 def exact_size(dtype: tf.DType, num_elements: int, wire: tf.DType) -> int:
