@@ -237,7 +237,9 @@ def port_refuses(cluster) -> Callable[[int], bool]:
 
 def acting_chief(target: str, task, config) -> int | None:
     """The worker doing the chief's work if its beat goes on (two reads,
-    timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent)."""
+    timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent). Call
+    it once ps 0 answers: a chief restarted while its own link is still
+    down must not take the role back from a worker that took it over."""
     options = tf.compat.v1.RunOptions(timeout_in_ms=10000)
     session, lock = lock_session(target, task, config, None)
     try:

@@ -139,7 +139,9 @@ class Averaging:
                             give_back, after=[event[0]])
 
     def _act_on(self, event, step, round_) -> tuple:
-        """Acts on `event` (SharedState.send_event's) by act_table.py."""
+        """Acts on `event` by act_table.py: (kind, worker int32 [], step,
+        round int64 [], sent_at float64 [] on ps 0's clock); step: int64 [].
+        Returns (fresh, lost_member): bool []."""
         s = self.shared
         kind, worker, for_step, for_round, sent_at = event
         # Every read first, every write after them (a read racing a write

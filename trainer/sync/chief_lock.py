@@ -79,7 +79,8 @@ class ChiefLock:
             return tf.equal(self.record.read_value()[GENERATION], generation)
 
     def beat_in(self, generation: tf.Tensor) -> tf.Tensor:
-        """bool []: it added a beat, as it does if `generation` is recorded."""
+        """bool []: it added a beat, as it does if `generation` (int64 [])
+        is recorded."""
         def beat():
             with tf.control_dependencies([self.beat_op()]):
                 return tf.constant(True)

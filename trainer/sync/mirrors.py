@@ -45,7 +45,8 @@ class Mirrors:
     def __init__(self, primaries: list, ps_indices: list[int], num_ps: int,
                  update: optim.ScheduledUpdate, global_step: tf.Variable):
         """primaries: the shards (float32 [n_i]), shard i on ps
-        ps_indices[i]; update: a second optimizer of the run's rule."""
+        ps_indices[i]; update: a second optimizer of the run's rule;
+        global_step: int64 [] on ps 0."""
         self.primaries, self.update = primaries, update
         self.global_step, self.copies = global_step, []
         for v, p in zip(primaries, ps_indices):
@@ -78,7 +79,8 @@ class Mirrors:
             return tf.identity(next_step)
 
     def whole(self) -> tf.Tensor:
-        """bool []: no write was cut short on ps 1 (`begun` == the step)."""
+        """bool []: no write was cut short on ps 1 (`begun` == its copy of
+        the step: its copies of ps 0's state are at one step)."""
         with tf.device(self.begun.device):
             return tf.equal(self.begun.read_value(),
                             self.step_copy.read_value())

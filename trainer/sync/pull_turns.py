@@ -6,7 +6,9 @@ once it takes a turn >= t (earlier ones are stale) from
 once its own copy arrived. A lost turn stalls no one: a round's plan gives
 the turn to each member whose predecessor is out, and a (re)started or
 stopping chief puts RELEASE (any step passes) in every queue; one nobody
-waited for lets a later pull through early, costing only the order."""
+waited for lets a later pull through early, costing only the order: the
+gradient of a pull released early counts only if its step is still the
+one the chief applies, else it is stale and dropped."""
 
 import tensorflow as tf
 

@@ -44,8 +44,8 @@ def steps_not_once(record: np.ndarray, batch: int, first: int,
 
 def save_and_check(logdir: pathlib.Path, record: np.ndarray, batch: int,
                    first: int, end: int, backup_workers: int) -> list[int]:
-    """Saves the record to RECORD_FILE in logdir; returns steps_not_once,
-    logged unless --backup_workers (then they are by design)."""
+    """Saves the record (int32 [steps, 1 + N]) to RECORD_FILE in logdir;
+    returns steps_not_once, logged unless --backup_workers (by design)."""
     np.save(logdir / RECORD_FILE, record)
     broken = steps_not_once(record, batch, first, end)
     if broken and not backup_workers:

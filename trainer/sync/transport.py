@@ -49,8 +49,9 @@ class Transport:
     def push(self, worker: int, token: tf.Tensor, shard_grads: list,
              stats: tf.Tensor) -> tf.Operation:
         """Writes worker's gradient sums (float32 [n_s] per shard, or int32)
-        and stats (float32 [3]) into row `worker`, then puts (PUSHED,
-        worker, step, round) on sync/events. token: the gradients' own."""
+        and stats (float32 [3]: examples, loss sum, correct) into row
+        `worker`, then puts (PUSHED, worker, step, round) on sync/events.
+        token: int64 [4], the gradients' own."""
         shared, kept = self.shared, self.shared.grad_dtype
         # Shard 0's gradient, the stats and the token cross as one tensor
         # of the wire dtype; int32 sums carry them in int32.
