@@ -1,4 +1,4 @@
-"""Exactly one chief: the lock's epochs on an in-process ps
+"""Exactly one chief: the lock's generations on an in-process ps
 (trainer/sync/chief_lock.py), the claim and the chief's own beat
 (trainer/roles/takeover.py). The watch on the beat: test_chief_watch.py."""
 
