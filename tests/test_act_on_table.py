@@ -1,6 +1,6 @@
-"""The chief's decision on one event (trainer/sync/act_table.py, what
-averaging.Averaging._act_on runs): the graph's `decide`, its twin
-`decide_np` and the table in the module's docstring agree on every
+"""The chief's decision on one event (trainer/sync/averaging.py's
+`decide`, what Averaging._act_on runs): the graph's `decide`, its twin
+`decide_np` and the table in `decide`'s docstring agree on every
 combination of their inputs."""
 
 import itertools
@@ -9,7 +9,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from trainer.sync import act_table
+from trainer.sync import averaging
 from trainer.sync.state import JOINED, LATE, LEAVING, LOST, PUSHED
 
 KINDS = {"PUSHED": PUSHED, "JOINED": JOINED, "LOST": LOST,
@@ -32,21 +32,21 @@ def test_the_graph_decides_as_its_twin_on_every_combination():
         kind = tf.compat.v1.placeholder(tf.int32, [])
         flags = [tf.compat.v1.placeholder(tf.bool, [], name=name)
                  for name in FLAGS]
-        acts = act_table.decide(kind, *flags)
+        acts = averaging.decide(kind, *flags)
         run = session.make_callable([getattr(acts, name) for name in OUTPUTS],
                                     [kind, *flags])
         events = list(every_event())
         for event in events:
-            want = act_table.decide_np(*event)
+            want = averaging.decide_np(*event)
             got = dict(zip(OUTPUTS, run(*event)))
             assert got == want, dict(zip(("kind", *FLAGS), event))
     assert len(events) == 640
 
 
 def table_rows() -> list:
-    """The module docstring's table: (kinds, {flag: value or None for
+    """`decide`'s docstring table: (kinds, {flag: value or None for
     '-'}, {output: text}) per row."""
-    lines = act_table.__doc__.splitlines()
+    lines = averaging.decide.__doc__.splitlines()
     start = next(i for i, line in enumerate(lines)
                  if line.split()[:2] == ["kind", "in"])
     rows = []
@@ -87,7 +87,7 @@ def test_the_docstring_table_is_the_twin_on_every_combination():
             want is None or event[name] == want
             for name, want in ins.items())]
         assert len(matches) == 1, (kind, event)
-        want = act_table.decide_np(kind, *flags)
+        want = averaging.decide_np(kind, *flags)
         said = table_says(matches[0], kind, event["inside"])
         # abandon (a LATE event that ends the round) sets lost anywhere.
         said["lost_member"] = said["lost_member"] or event["abandon"]

@@ -1,6 +1,6 @@
-"""Exactly one chief: the lock's generations on an in-process ps
-(trainer/sync/chief_lock.py), the claim and the chief's own beat
-(trainer/roles/takeover.py). The watch on the beat: test_chief_watch.py."""
+"""Exactly one chief: the lock's generations on an in-process ps, the
+claim and the chief's own beat (trainer/roles/takeover.py). The watch on
+the beat: test_chief_watch.py."""
 
 import time
 
@@ -13,7 +13,6 @@ from trainer.common.config import TrainConfig
 from trainer.roles import takeover
 from trainer.roles.background import ThreadCall
 from trainer.sync import averaging
-from trainer.sync import chief_lock
 from trainer.sync import coordination
 from trainer.sync import pull_turns
 from trainer.sync import state
@@ -30,7 +29,7 @@ def lock_session():
     tf.distribute.Server(spec, "ps", 0)
     graph = tf.Graph()
     with graph.as_default(), tf.device("/job:ps/task:0"):
-        lock = chief_lock.ChiefLock("/job:ps/task:0")
+        lock = takeover.ChiefLock("/job:ps/task:0")
         counter = tf.Variable(0, dtype=tf.int64, use_resource=True)
         generation = tf.compat.v1.placeholder(tf.int64, [])
         write = lock.guarded(
@@ -75,7 +74,7 @@ def test_a_write_waiting_for_its_input_does_not_hold_the_lock():
     --ps_mirrors: ps 1 killed while the chief waited for a push)."""
     graph = tf.Graph()
     with graph.as_default():
-        lock = chief_lock.ChiefLock("/cpu:0")
+        lock = takeover.ChiefLock("/cpu:0")
         inbox = tf.queue.FIFOQueue(1, [tf.int64], shapes=[[]])
         event = inbox.dequeue()
         write = lock.guarded(tf.constant(0, tf.int64),
@@ -140,7 +139,7 @@ def test_a_deposed_chiefs_halt_is_refused():
     with graph.as_default(), tf.device(ps):
         shared = state.SharedState(2, [5, 3], [ps, ps])
         turns = pull_turns.PullTurns(2, [ps, ps], False)
-        lock = chief_lock.ChiefLock(ps)
+        lock = takeover.ChiefLock(ps)
         rule = averaging.Averaging(shared, 64, 0, "equal", turns, lock=lock,
                                    generation=lock.loop_generation)
         halt = coordination.RunCoordination(shared, turns, "").halt_op(
@@ -161,3 +160,39 @@ def test_a_deposed_chiefs_halt_is_refused():
         assert session.run(halt, {lock.loop_generation: second}) == 0
         assert session.run(halted) == 1
         assert session.run(lock.size) == 1
+
+
+def test_a_deposed_chiefs_watches_write_nothing():
+    """A deposed chief's membership watch runs until its loop ends: its
+    take of the roster changes, its log write and its LOST land only in
+    its generation, so the next chief keeps every change."""
+    from trainer.cluster.spec import make_cluster, make_task
+    from trainer.roles import graph as graph_lib
+    ports = helpers.free_ports(2)
+    cluster = make_cluster((f"localhost:{ports[1]}",),
+                           (f"localhost:{ports[0]}",), "test")
+    spec = tf.train.ClusterSpec(cluster.as_dict())
+    server = tf.distribute.Server(spec, "worker", 0)
+    tf.distribute.Server(spec, "ps", 0)
+    g = graph_lib.build_worker(TrainConfig(logdir="unused"),
+                               make_task(cluster, "worker", 0, "t"),
+                               600, 100, 50)
+    ops = g.chief
+    with tf.compat.v1.Session(server.target, graph=g.graph) as session:
+        session.run(ops.init_op)
+        first, _ = takeover.claim(session, g.lock, 0, wait_secs=1)
+        session.run(g.handles.join_op)   # a JOINED, then its record
+        session.run(ops.absorb_op, {ops.generation: first})
+        second, _ = takeover.claim(session, g.lock, 1, wait_secs=1)
+        deposed, current = {ops.generation: first}, {ops.generation: second}
+        assert len(session.run(ops.membership, deposed)[0]) == 0
+        log = ops.membership_log
+        assert not session.run(log.write, {log.value_in: "x", **deposed})
+        assert session.run(log.read) == b"[]"
+        assert not session.run(ops.lost_op, {ops.lost_in: 0, **deposed})
+        # The record the deposed take left is the current chief's.
+        _, kinds, workers, _ = session.run(ops.membership, current)
+        assert (kinds.tolist(), workers.tolist()) == ([state.JOINED], [0])
+        assert session.run(ops.lost_op, {ops.lost_in: 0, **current})
+        assert session.run(log.write, {log.value_in: "y", **current})
+        assert session.run(log.read) == b"y"

@@ -1,6 +1,6 @@
-"""The chief's beat and the watch on it (trainer/roles/takeover.py):
-when a worker calls the chief lost, and how a takeover's claim hands its
-beat over to the new chief's own."""
+"""The chief's beat (trainer/roles/takeover.py) and the watch on it
+(trainer/roles/liveness.py): when a worker calls the chief lost, and how
+a takeover's claim hands its beat over to the new chief's own."""
 
 import time
 
@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from trainer.roles.states import Kind
-from trainer.roles import takeover
+from trainer.roles import liveness, takeover
 from trainer.roles import timing
 from trainer.roles.background import ThreadCall
 
@@ -35,7 +35,7 @@ def test_a_beat_that_did_not_land_hands_nothing_over(monkeypatch):
 
 
 def judge(me, refused=()):
-    return takeover.Judge(me, 5.0, lambda k: k in refused)
+    return liveness.Judge(me, 5.0, lambda k: k in refused)
 
 
 ROSTER = np.array([True, True, True, True])
@@ -60,12 +60,12 @@ def test_a_chief_in_its_start_is_given_the_startup_timeout():
     fine (docs/nemesis.md). Once
     it has stepped, the worker timeout applies; a refusing port is
     judged as fast either way."""
-    j = takeover.Judge(1, 5.0, lambda k: False, starting=60.0)
+    j = liveness.Judge(1, 5.0, lambda k: False, starting=60.0)
     assert j.update([2, 0, 0], ROSTER, 0.0, step=900) is None
     assert j.update([2, 0, 0], ROSTER, 59.9, step=900) is None
     assert "no beat for 60 s" in j.update([2, 0, 0], ROSTER, 60.0, step=900)
     # Stepped while beating: the next silence is judged by the timeout.
-    j = takeover.Judge(1, 5.0, lambda k: False, starting=60.0)
+    j = liveness.Judge(1, 5.0, lambda k: False, starting=60.0)
     assert j.update([2, 0, 0], ROSTER, 0.0, step=900) is None
     assert j.update([2, 0, 1], ROSTER, 1.0, step=901) is None
     assert j.update([2, 0, 1], ROSTER, 5.9, step=905) is None
@@ -73,7 +73,7 @@ def test_a_chief_in_its_start_is_given_the_startup_timeout():
     # A new generation (another claim) starts anew.
     assert j.update([3, 2, 0], ROSTER, 7.0, step=905) is None
     assert j.update([3, 2, 0], ROSTER, 13.0, step=905) is None
-    refusing = takeover.Judge(1, 5.0, lambda k: k == 0, starting=60.0)
+    refusing = liveness.Judge(1, 5.0, lambda k: k == 0, starting=60.0)
     assert refusing.update([2, 0, 0], ROSTER, 0.0, step=900) is None
     assert "refuses" in refusing.update([2, 0, 0], ROSTER, 1.0, step=900)
 
@@ -84,7 +84,7 @@ def test_a_chief_seen_stepping_is_not_in_its_start_after_a_reconnect():
     reconnected, is judged by --worker_timeout_secs once the worker reads
     its record again, not given --startup_timeout_secs as a starting chief
     (nemesis seed 921). A new generation is starting again."""
-    j = takeover.Judge(1, 5.0, lambda k: False, starting=60.0)
+    j = liveness.Judge(1, 5.0, lambda k: False, starting=60.0)
     assert j.update([2, 0, 0], ROSTER, 0.0, step=100) is None
     assert j.update([2, 0, 1], ROSTER, 1.0, step=110) is None
     j.forget()   # the reconnect; the chief is gone, its record unchanged
@@ -147,8 +147,9 @@ def test_a_chief_gone_after_the_last_step_is_not_replaced():
     at step 300 of 300, then waited for ps tasks that had exited."""
     for step, kind in ((299, Kind.CHIEF_LOST), (300, Kind.ENDED_AWAY)):
         posted = []
-        watch = takeover.ChiefWatch(
-            lambda s=step: ([1, 0, 7], ROSTER, s), judge(1, refused={0}),
+        watch = liveness.ChiefWatch(
+            lambda s=step: {"record": [1, 0, 7], "roster": ROSTER,
+                            "step": s}, judge(1, refused={0}),
             posted.append, 300)
         assert watch.run_once() is None   # the beat seen once
         time.sleep(timing.REFUSED_AFTER_SECS + 0.1)

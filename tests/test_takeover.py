@@ -98,7 +98,7 @@ def test_the_chiefs_work_moves_twice_and_the_run_ends_exact(
     # 3. The new chief frozen past the timeout; worker 0 takes over, or
     # worker 2 a timeout later if worker 0's watch read the chief's generation
     # only once it was frozen (a chief not seen to step is judged by
-    # --startup_timeout_secs: takeover.Judge).
+    # --startup_timeout_secs: liveness.Judge).
     with frozen(c, ["worker1"]):
         second, again = wait_for_any(c, ["worker0", "worker2"],
                                      TOOK_OVER.format(old=1), timeout=120)

@@ -3,7 +3,6 @@ role, starts, runs the update, evaluates, checkpoints, reports, ends."""
 
 import contextlib
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -42,7 +41,7 @@ class Chief(WorkerRole):
         step = self._claim_and_start(logdir)
         writer = self._ready(step, logdir)
         self.graphs.prebuild(self.g)
-        with self._membership_watch(writer) as watch, \
+        with membership.watch(self, writer) as watch, \
                 self._round_deadlines(), without_ps.ps_watch(self):
             try:
                 self._wait_for_workers(self.config.min_workers)
@@ -108,25 +107,6 @@ class Chief(WorkerRole):
         summaries.write_run_card(writer, step, dataclasses.asdict(
             self.config), self.task.cluster.as_dict())
         return writer
-
-    def _membership_watch(self, writer) -> membership.MembershipWatch:
-        ops, handles, session = self.g.chief, self.g.handles, self.session
-        read = self.callable({
-            "step": handles.global_step, "round": handles.round,
-            "planned": handles.planned, "admitted": handles.admitted,
-            "roster": ops.roster, "slices": ops.slices,
-            "last_push": ops.last_push, "issued_round": ops.issued_round})
-        log = ops.membership_log
-        kept = json.loads(session.run(log.read).decode() or "[]")
-
-        def keep(records: list) -> None:
-            session.run(log.write, {log.value_in: json.dumps(records)})
-        return membership.MembershipWatch(
-            read, lambda: session.run(ops.membership),
-            lambda k: session.run(ops.lost_op, {ops.lost_in: k}),
-            self.task.cluster, self.config, writer,
-            on_unreachable=lambda step, who: ending.on_ps0_silent(
-                self, step, who), chief=self.k, kept=(kept, keep))
 
     def _round_deadlines(self):
         ops = self.g.chief

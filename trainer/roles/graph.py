@@ -3,6 +3,7 @@ name, and on its own device its data and training loop (step.py); the
 chief's also starts, stops, evaluates, checkpoints and ends the run."""
 
 import dataclasses
+import functools
 
 import tensorflow as tf
 
@@ -13,9 +14,9 @@ from trainer.learning import (batches, optim, params as params_lib,
                               replica as replica_lib)
 from trainer.roles import step as step_lib, takeover
 from trainer.saving.checkpoints import checkpoint_saver
-from trainer.sync import (averaging, chief_lock, coordination,
-                          mirrors as mirrors_lib, pull_turns as pull_turns_lib,
-                          state as state_lib, transport as transport_lib)
+from trainer.sync import (averaging, coordination, mirrors as mirrors_lib,
+                          pull_turns as pull_turns_lib, state as state_lib,
+                          transport as transport_lib)
 
 
 def fingerprint(config: TrainConfig, task: Task, train_steps: int) -> str:
@@ -57,18 +58,17 @@ class ChiefOps:
     start_op: tf.Operation            # REJOIN to every worker
     mark_ready_op: tf.Operation       # tells the workers to go
     absorb_op: tf.Tensor              # queued joins in; roster bool [N]
-    membership: tuple                 # records so far (state.take_membership)
+    membership: list                  # records so far (state.take_membership)
     roster: tf.Tensor                 # bool [N]: who is in
     slices: tf.Tensor                 # int64 [N, 2]: this round's [first, end)
     last_push: tf.Tensor              # int64 [N]: round of each's last push
     issued_round: tf.Tensor           # int64 [N]: round of each's last token
     lost_in: tf.Tensor                # feed int32 []: a worker lost
-    lost_op: tf.Operation             # reports lost_in to the rule
+    lost_op: tf.Tensor                # bool []: reported lost_in to the rule
     deadlines: tuple | None           # take_deadlines; None: no deadlines
     late_in: tuple                    # feed int64 [] x 2: step, round
     late_op: tf.Operation             # LATE for late_in
-    halt_op: tf.Tensor                # int64 [] (feed generation): halts the
-                                      # loop at a step boundary (coordination)
+    halt_op: tf.Tensor                # int64 []: halts the loop (coordination)
     end_op: tf.Operation              # the final step to every worker
     generation: tf.Tensor             # feed int64 []: this chief's
     saver: tf.compat.v1.train.Saver
@@ -100,7 +100,7 @@ class WorkerGraph:
     loop_outputs: dict        # fetch: steps done, next token, stats sums
     handles: WorkerHandles
     chief: ChiefOps | None
-    lock: chief_lock.ChiefLock  # the chief claims it at start, and beats
+    lock: takeover.ChiefLock  # the chief claims it at start, and beats
     ps_down: int | None = None  # the ps it does without, or None
 
 
@@ -122,7 +122,7 @@ def build_worker(config: TrainConfig, task: Task, num_train_examples: int,
         coord = coordination.RunCoordination(
             shared, turns, fingerprint(config, task, train_steps),
             chief=k if as_chief else 0)
-        lock = chief_lock.ChiefLock(
+        lock = takeover.ChiefLock(
             shared.shard_devices[0],
             takeover.generation_copy_device(config, ps_down))
         with tf.device(devices.worker_device(k)):
@@ -203,21 +203,25 @@ class MembershipLog:
     """sync/membership_log on ps 0: read, and write(value_in)."""
     read: tf.Tensor            # string []: JSON of every record
     value_in: tf.Tensor        # feed string []
-    write: tf.Operation        # the log = value_in
+    write: tf.Tensor           # bool []: the log = value_in was written
 
 
-def _membership_log(shared: state_lib.SharedState) -> MembershipLog:
+def _membership_log(shared: state_lib.SharedState, mine) -> MembershipLog:
     with tf.device(shared.shard_devices[0]):
         value_in = tf.compat.v1.placeholder(tf.string, [], "membership_log")
-        return MembershipLog(
-            shared.membership_log.read_value(), value_in,
-            shared.membership_log.assign(value_in, read_value=False))
+        log = shared.membership_log
+        return MembershipLog(log.read_value(), value_in, mine(
+            lambda: log.assign(value_in, read_value=False)))
 
 
 def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
                optimizer, num_test_examples: int, mirrors) -> ChiefOps:
     init_op = tf.compat.v1.global_variables_initializer()
     shared = rule.shared
+    # A deposed chief's watches run until its loop ends: their writes land
+    # only in its generation (its last take would keep the roster changes
+    # from the next chief). Fed `generation`, as the loop is.
+    mine = functools.partial(rule.lock.if_current, rule.generation)
     with tf.device(shared.shard_devices[0]):
         stop_reason_in = tf.compat.v1.placeholder(tf.string, [], "stop_reason")
         lost_in = tf.compat.v1.placeholder(tf.int32, [], "lost_worker")
@@ -251,11 +255,14 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         refill=mirrors_lib.Refill(mirrors, pairs, afresh) if mirrors else None,
         start_op=coord.start_op(),
         mark_ready_op=coord.cluster_fingerprint.initializer,
-        absorb_op=rule.absorb_queued(), membership=shared.take_membership(),
+        absorb_op=rule.absorb_queued(), membership=mine(
+            shared.take_membership,
+            lambda: [tf.zeros([0], d) for d in shared.membership.dtypes]),
         roster=shared.roster.read_value(), slices=shared.slices.read_value(),
         last_push=shared.last_push.read_value(),
         issued_round=shared.issued_round.read_value(),
-        lost_in=lost_in, lost_op=shared.send_event(state_lib.LOST, lost_in),
+        lost_in=lost_in,
+        lost_op=mine(lambda: shared.send_event(state_lib.LOST, lost_in)),
         deadlines=deadlines, late_in=late_in, late_op=late_op,
         halt_op=coord.halt_op(rule.guarded), end_op=coord.end_op(),
         saver=saver, checkpoint_shapes=checkpoint_shapes,
@@ -263,7 +270,7 @@ def _chief_ops(config: TrainConfig, num_ps: int, flat, rule, coord,
         param_values=flat.unflatten(values), take_finished=take_finished,
         contributions=contributions, by_step=by_step, record_from=record_from,
         set_record_from=set_record_from, stop_reason_in=stop_reason_in,
-        membership_log=_membership_log(shared), stop_op=stop_op,
+        membership_log=_membership_log(shared, mine), stop_op=stop_op,
         shutdown_status=shutdown_status, shutdown_ops=coord.shutdown_ops(
             [i for i in range(num_ps) if i != shared.ps_down_here],
             devices.ps_device, shutdown_status))

@@ -1,13 +1,10 @@
-"""The chief's membership watch (docs/how-it-works.md, Membership): a
-thread reading the round every timing.MEMBERSHIP_CHECK_SECS (same session)
-as the chief's session.run blocks in the loop. It reports LOST a worker
-with a slice outstanding (`late`) once liveness.lost says so of its silence
-since its last push of any round (a dead backup worker, whose rounds end
-without it, is found too); keeps on ps 0 and logs roster changes; writes
-TensorBoard scalars; calls `on_unreachable` if ps 0 is silent too long.
-"""
+"""The chief's membership watch (docs/how-it-works.md, Membership), a
+thread beside its blocked loop: a worker with a slice outstanding (`late`)
+silent since its last push of any round, by liveness.lost, is reported
+LOST; roster changes are logged, kept on ps 0 and written to TensorBoard."""
 
 import dataclasses
+import json
 import time
 from typing import Callable
 
@@ -16,9 +13,8 @@ import numpy as np
 
 from trainer.common.tf_session import error_summary
 from trainer.observe import summaries
-from trainer.roles import liveness, timing
+from trainer.roles import ending, liveness, timing
 from trainer.roles.background import BackgroundThread
-from trainer.roles.takeover import port_refuses
 from trainer.roles.watchdog import BoundedRead
 from trainer.sync.state import EVENT_NAMES, LEAVING
 
@@ -33,6 +29,31 @@ class _Round:
     slices: np.ndarray     # int64 [N, 2]
     last_push: np.ndarray  # int64 [N]: the round of each one's last push
     issued_round: np.ndarray  # int64 [N]: the round of each one's last token
+
+
+def watch(chief, writer) -> "MembershipWatch":
+    """The watch on `chief`'s session (chief.Chief): it reads the round,
+    takes the roster changes, reports a worker lost with `lost_op` (a LOST
+    on sync/events, SharedState.send_event: the rule acts on it at its next
+    take, averaging.decide) and keeps its log on ps 0 for the next chief;
+    each write only in its generation (graph.py)."""
+    ops, handles, session = chief.g.chief, chief.g.handles, chief.session
+    read = chief.callable({
+        "step": handles.global_step, "round": handles.round,
+        "planned": handles.planned, "admitted": handles.admitted,
+        "roster": ops.roster, "slices": ops.slices,
+        "last_push": ops.last_push, "issued_round": ops.issued_round})
+    log, mine = ops.membership_log, {ops.generation: chief.generation}
+    kept = json.loads(session.run(log.read).decode() or "[]")
+
+    def keep(records: list) -> None:
+        session.run(log.write, {log.value_in: json.dumps(records), **mine})
+    return MembershipWatch(
+        read, lambda: session.run(ops.membership, mine),
+        lambda k: session.run(ops.lost_op, {ops.lost_in: k, **mine}),
+        chief.task.cluster, chief.config, writer,
+        on_unreachable=lambda step, who: ending.on_ps0_silent(
+            chief, step, who), chief=chief.k, kept=(kept, keep))
 
 
 class MembershipWatch(BackgroundThread):
@@ -52,7 +73,7 @@ class MembershipWatch(BackgroundThread):
         self._take, self._report_lost = take_records, report_lost
         self._cluster, self._config, self._writer = cluster, config, writer
         self._on_unreachable = on_unreachable
-        self._chief, self._refuses = chief, port_refuses(cluster)
+        self._chief, self._refuses = chief, liveness.port_refuses(cluster)
         # {"step", "event", "worker", "workers"}, this run's so far
         self.records, self._keep = list(kept[0]), kept[1]
         self._unkept = False     # records taken but not kept on ps 0

@@ -13,8 +13,8 @@ from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import RunFailed
 from trainer.learning import data as data_lib
-from trainer.roles import (graph as worker_graph, lifecycle, ps, standby,
-                           states, takeover, timing)
+from trainer.roles import (graph as worker_graph, lifecycle, liveness, ps,
+                           standby, states, takeover, timing)
 from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.roles.states import Event, Kind, State
@@ -133,7 +133,7 @@ def _another_chief(config: TrainConfig, task: Task, server) -> bool:
 
 class SpareChief:
     """The chief's side for a worker that may take over, built on a thread
-    ahead of need once first in line (takeover.Judge's order, checked every
+    ahead of need once first in line (liveness.Judge's order, checked every
     timing.BUILD_AHEAD_AFTER_SECS in the run: building slows steps), else at
     a claim. result(): (Mnist with test set, WorkerGraph, Warmed or None)."""
 
@@ -178,7 +178,7 @@ def _first_in_line(worker: Worker) -> bool:
         record, roster = session.run([g.lock.recorded, g.handles.roster])
     except Exception:  # noqa: BLE001 (closed meanwhile, ps 0 away: not yet)
         return False
-    return takeover.place_in_line(roster, int(record[takeover.INDEX]),
+    return liveness.place_in_line(roster, int(record[takeover.INDEX]),
                                   worker.k) == 0
 
 

@@ -11,8 +11,7 @@ HOW says, through the role's `interrupt`: at once (session closed) or at
 the next step boundary (the chief's halt). The loop then takes the posted
 event in place of the run's error: every decision is the table's, on the
 loop; post() only keeps, of two posted at once, the higher priority
-(Kind's order). No TensorFlow here: tests/test_states.py drives it.
-"""
+(Kind's order). No TensorFlow here: tests/test_states.py drives it."""
 
 import dataclasses
 import enum

@@ -4,8 +4,7 @@ Read `ChiefStep` top to bottom: plan, pull, compute, push, admit, average,
 apply, count; or, if a member left before pushing, plan the step again
 among the others (sync/averaging.py). Both are the body of `training_loop`,
 an in-graph tf.while_loop: one session.run runs many steps, as a distributed
-one costs far more than a small model's step (a RunGraph RPC to each ps).
-"""
+one costs far more than a small model's step (a RunGraph RPC to each ps)."""
 
 import dataclasses
 

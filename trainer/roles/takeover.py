@@ -1,18 +1,125 @@
-"""The chief's work moves (docs/how-it-works.md#the-chiefs-work-moves):
-the claim of its role, its beat on ps 0, and the others' watch on that."""
+"""Exactly one chief: the lock on ps 0 that every write of the rule
+takes, the claim of the chief's role, and the chief's beat
+(docs/how-it-works.md, "Exactly one chief" and "The chief's work moves").
 
-import dataclasses
+A chief cut off still has its loop on ps 0, which writes once its link
+returns. The lock, a queue of capacity 1 on ps 0, holds the generation:
+a claim takes it (after a write in flight) and puts back the next; one a
+chief killed in a write never put back is restored (claim_wait). ps 1
+keeps a copy with --ps_mirrors: a ps 0 started again gives out none twice.
+
+Every write a chief makes on ps 0, and what refuses it to a deposed one:
+- the lock (`guarded`): a round's plan and each event's acts (sync/
+  averaging.py), a step's update and advance (roles/step.py), the halt
+  (sync/coordination.py); its loop ends once `current` is false;
+- the record (`if_current`): its beat, its membership watch's LOST, take
+  of the roster changes and log (roles/graph.py);
+- `deposed_by` just before (Chief._check_still_chief): restore, start,
+  ready, stop; the end follows a loop run to the last step;
+- none, and harmless: its own push (not in the current round) and its
+  round deadlines' LATE (it names the step and round it is for)."""
+
 import time
 from typing import Callable, NamedTuple
 
 import tensorflow as tf
 
-from trainer.cluster import devices, ports
-from trainer.roles import liveness, sessions, timing
+from trainer.cluster import devices
+from trainer.roles import sessions, timing
 from trainer.roles.background import BackgroundThread
-from trainer.roles.states import Event, Kind
 from trainer.sync import mirrors
-from trainer.sync.chief_lock import BEATS, GENERATION, INDEX, ChiefLock
+
+GENERATION, INDEX, BEATS = 0, 1, 2   # the fields of sync/chief
+
+
+class ChiefLock:
+    """The lock and `sync/chief` (int64 [3]: generation, worker index,
+    beats) on ps 0, built alike by every worker; it outlives restores."""
+
+    def __init__(self, device: str, copy_device: str | None = None):
+        """copy_device: where the last claimed generation is copied (ps 1
+        with --ps_mirrors), or None. A claim's ops (`claim`): take
+        (waits while the lock is out), put (records generation_in, index_in,
+        0 beats, then fills the lock), recorded (int64 [3]; fails before the
+        first claim), size (1 while the lock is in), last_generation."""
+        self.device = device
+        with tf.device(device):
+            self.queue = tf.queue.FIFOQueue(
+                1, [tf.int64], shapes=[[]], shared_name="sync/chief_lock",
+                name="sync_chief_lock")
+            self.record = _unsaved("sync/chief", [3])
+            # int64 [] feed: the generation of the loop that writes (-1: none).
+            self.loop_generation = tf.compat.v1.placeholder_with_default(
+                tf.constant(-1, tf.int64), [], "chief_generation")
+            self.take = self.queue.dequeue()
+            self.size = self.queue.size()
+            self.generation_in = tf.compat.v1.placeholder(tf.int64, [],
+                                                          "generation_in")
+            self.index_in = tf.compat.v1.placeholder(tf.int64, [], "index_in")
+            recorded = [self.record.assign(
+                tf.stack([self.generation_in, self.index_in,
+                          tf.constant(0, tf.int64)]), read_value=False)]
+            self.last_generation = tf.constant(0, tf.int64)
+            if copy_device is not None:
+                with tf.device(copy_device):
+                    copy = _unsaved("ps_mirror/chief_generation", [])
+                    recorded.append(copy.assign(self.generation_in,
+                                                read_value=False))
+                    self.last_generation = tf.cond(
+                        copy.is_initialized(), copy.read_value,
+                        lambda: tf.constant(0, tf.int64))
+            with tf.control_dependencies(recorded):
+                self.put = self.queue.enqueue(self.generation_in)
+            self.recorded = self.record.read_value()
+            self.is_recorded = self.record.is_initialized()
+            self.beat = self.beat_op()
+
+    def guarded(self, generation: tf.Tensor, write, refused, after=()):
+        """write() if the lock holds `generation` (int64 []), else refused()
+        (alike structures of tensors), once the lock is back. The take waits
+        for `after`: with no input it would run at once, and a run aborted
+        while it waits (a ps lost) would lose the lock."""
+        with tf.device(self.device), tf.control_dependencies(after):
+            held = self.queue.dequeue()
+            out = tf.cond(tf.equal(held, generation), write, refused)
+            flat = tf.nest.flatten(out)
+            with tf.control_dependencies(flat):
+                put = self.queue.enqueue(held)
+            with tf.control_dependencies([put]):
+                return tf.nest.pack_sequence_as(
+                    out, [tf.identity(t) for t in flat])
+
+    def current(self, generation: tf.Tensor) -> tf.Tensor:
+        """bool []: `generation` is recorded (a cheap read; see guarded)."""
+        with tf.device(self.device):
+            return tf.equal(self.record.read_value()[GENERATION], generation)
+
+    def if_current(self, generation: tf.Tensor, write, refused=None):
+        """bool []: write() (an op, made here) ran, as it does if generation
+        (int64 []) is recorded; with refused, write()'s tensors, else
+        refused()'s (alike). The cheap check, for writes beside the loop
+        (the beat, the watches'), which must not wait on a claim's lock."""
+        def ran():
+            with tf.control_dependencies([write()]):
+                return tf.constant(True)
+        branch = write if refused else ran
+        with tf.device(self.device):
+            return tf.cond(self.current(generation), branch,
+                           refused or (lambda: tf.constant(False)))
+
+    def beat_op(self) -> tf.Operation:
+        """Adds a beat to the record (a new op: one inside a loop's body
+        runs at every iteration)."""
+        with tf.device(self.device):
+            return tf.raw_ops.ResourceScatterAdd(
+                resource=self.record.handle, indices=[BEATS],
+                updates=tf.constant([1], tf.int64))
+
+
+def _unsaved(name: str, shape: list) -> tf.Variable:
+    return tf.compat.v1.get_variable(
+        name, shape, tf.int64, initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False, use_resource=True, collections=[])
 
 
 class TakeOver(NamedTuple):
@@ -31,7 +138,7 @@ class BeatSession:
             lock = ChiefLock(devices.ps_device(0))
             self._generation = tf.compat.v1.placeholder(
                 tf.int64, [], "generation")
-            self._beat = lock.beat_in(self._generation)
+            self._beat = lock.if_current(self._generation, lock.beat_op)
         # A beat later than this is as good as none to the others.
         self._session = sessions.Own(target, graph, config, task, [0],
                                      int(config.worker_timeout_secs * 1000))
@@ -134,105 +241,11 @@ class ChiefBeat(BackgroundThread):
             claim.handed_over()
 
 
-@dataclasses.dataclass
-class Judge:
-    """When worker `me` takes over, from readings of the chief's record."""
-
-    me: int
-    timeout: float                      # --worker_timeout_secs
-    refuses: Callable[[int], bool]      # worker k's port refuses now
-    starting: float = 0.0               # --startup_timeout_secs
-    _seen: tuple | None = None     # (generation, beats) last seen
-    _start: tuple = (None, None)   # (generation, first step; None if moved)
-    _since: float = 0.0                 # when they last changed
-    _lost_at: float | None = None
-    _why: str = ""                      # why it was called lost
-
-    def forget(self) -> None:
-        """ps 0 did not answer: silence is measured anew from the next read."""
-        self._seen = None
-
-    def update(self, record, roster, now: float, read_secs: float = 0.0,
-               step: int | None = None) -> str | None:
-        """record: int64 [3] (generation, index, beats); roster: bool [N];
-        step: the global step or None. Why to take over now, or None."""
-        if read_secs > self.timeout / 2:
-            # ps 0 held the reading up: the chief's beats could not land.
-            self.forget()
-        chief = int(record[INDEX])
-        seen = (int(record[GENERATION]), int(record[BEATS]))
-        if step is not None:   # a step that moved: the chief has started
-            if self._start[0] != seen[0]:
-                self._start = (seen[0], step)
-            elif step != self._start[1]:
-                self._start = (seen[0], None)
-        if seen != self._seen or chief == self.me:
-            self._seen, self._since, self._lost_at = seen, now, None
-            return None
-        if self._lost_at is None:
-            limit = self.timeout, "--worker_timeout_secs"
-            # No step since we first read its generation: still starting.
-            if self._start[1] is not None and self.starting > self.timeout:
-                limit = self.starting, "--startup_timeout_secs, in its start"
-            why = liveness.lost(now - self._since, *limit, "beat",
-                                lambda: self.refuses(chief))
-            if why is None:
-                return None
-            self._why, self._lost_at = why, now
-        if now - self._lost_at >= (
-                place_in_line(roster, chief, self.me) * self.timeout):
-            return f"worker {chief} left: {self._why}"
-        return None
-
-
-class ChiefWatch(BackgroundThread):
-    """Posts CHIEF_LOST once Judge calls the chief lost, or ENDED_AWAY past
-    the last step. read: () -> Judge.update's record, roster and step."""
-
-    def __init__(self, read: Callable[[], tuple], judge: Judge,
-                 post: Callable[[Event], bool], train_steps: int):
-        super().__init__("chief-watch", timing.BEAT_SECS, timing.BEAT_SECS * 4)
-        self._read, self._judge, self._post = read, judge, post
-        self._train_steps = train_steps
-
-    def run_once(self) -> bool | None:
-        started = time.monotonic()
-        try:
-            record, roster, step = self._read()
-        except Exception:  # noqa: BLE001 (no record yet, or ps 0 away)
-            self._judge.forget()
-            return None
-        now = time.monotonic()
-        reason = self._judge.update(record, roster, now, now - started,
-                                    int(step))
-        if reason is None:
-            return None
-        if step >= self._train_steps:
-            # The run ended while we were away: a chief would wait for no ps.
-            self._post(Event(Kind.ENDED_AWAY, (
-                f"the run ended at step {int(step)}, its last, while this "
-                "worker was away; nothing is left to do")))
-        else:
-            self._post(Event(Kind.CHIEF_LOST, reason))
-        return False
-
-
-def place_in_line(roster, chief: int, me: int) -> int:
-    """How many in roster (bool [N]) claim before `me`: lower, chief aside."""
-    return sum(1 for k, inside in enumerate(roster[:me])
-               if inside and k != chief)
-
-
 def generation_copy_device(config, ps_down: int | None = None) -> str | None:
     """ps PS0_COPIES' device with --ps_mirrors unless it is down, else None."""
     return (devices.ps_device(mirrors.PS0_COPIES) if config.ps_mirrors
             and ps_down != mirrors.PS0_COPIES else None)
 
-
-def port_refuses(cluster) -> Callable[[int], bool]:
-    """k -> worker k's port refuses connections now (0.5 s at most)."""
-    return lambda k: ports.answer(cluster.workers[k], 0.5,
-                                  "worker") == ports.REFUSED
 
 
 def acting_chief(target: str, task, config) -> int | None:

@@ -7,7 +7,7 @@ from absl import logging
 
 from trainer.common.errors import RunFailed
 from trainer.observe import tracing
-from trainer.roles import takeover, timing, watchdog as watchdog_lib
+from trainer.roles import liveness, timing, watchdog as watchdog_lib
 from trainer.roles.lifecycle import WorkerRole, poll_until
 from trainer.roles.states import Event, Kind
 from trainer.saving import storage
@@ -15,7 +15,7 @@ from trainer.sync import state
 
 
 class Worker(WorkerRole):
-    judge: takeover.Judge | None = None   # the chief watch's, once made
+    judge: liveness.Judge | None = None   # the chief watch's, once made
 
     def run_connected(self) -> None:
         """Joins, then computes each slice handed out, to the end or STOP."""
@@ -84,7 +84,7 @@ class Worker(WorkerRole):
             "--startup_timeout_secs", on_return=on_return,
             return_after_secs=self.config.worker_timeout_secs)
 
-    def _chief_watch(self) -> takeover.ChiefWatch:
+    def _chief_watch(self) -> liveness.ChiefWatch:
         read = self.callable({"record": self.g.lock.recorded,
                               "roster": self.g.handles.roster,
                               "step": self.g.handles.global_step})
@@ -92,13 +92,13 @@ class Worker(WorkerRole):
         # reconnect is not "in its start" after it (it is lost, not slow to
         # start, if its beat stays silent: nemesis seed 921). Silence is
         # measured anew from the first reading of each watch.
-        self.judge = self.judge or takeover.Judge(
+        self.judge = self.judge or liveness.Judge(
             self.k, self.config.worker_timeout_secs,
-            takeover.port_refuses(self.task.cluster),
+            liveness.port_refuses(self.task.cluster),
             self.config.startup_timeout_secs)
         self.judge.forget()
-        return takeover.ChiefWatch(lambda: tuple(read().values()), self.judge,
-                                   self.machine.post, self.train_steps)
+        return liveness.ChiefWatch(read, self.judge, self.machine.post,
+                                   self.train_steps)
 
     def _join(self, dog):
         """Asks the chief in; the first token (int64 [4]). Asks again while

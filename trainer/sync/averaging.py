@@ -12,21 +12,21 @@ I6. A worker alive and reachable is taken back in: a push from outside
     the roster, or a JOINED, puts it in the next plan; one cut off past
     --worker_timeout_secs joins again once ps 0 answers.
 I7. At most one chief acts: every write here is `guarded` by ps 0's lock
-    holding this chief's generation (chief_lock.py).
+    holding this chief's generation (roles/takeover.py).
 
 Step t runs rounds (plan, admit pushes, apply) until one completes; a
 member that leaves first, or is far past the deadline (pace.py), ends
-the round: docs/how-it-works.md#synchronous-averaging-elastic.
-"""
+the round: docs/how-it-works.md#synchronous-averaging-elastic."""
 
 import dataclasses
 
+import numpy as np
 import tensorflow as tf
 
 from trainer.learning import fixed_point
-from trainer.sync import (act_table, pace as pace_lib, queues,
-                          slices as slices_lib, state as state_lib,
-                          step_record)
+from trainer.sync import (pace as pace_lib, queues, slices as slices_lib,
+                          state as state_lib, step_record)
+from trainer.sync.state import JOINED, LEAVING, LOST, PUSHED
 
 BALANCE_GAIN = 0.2   # balanced slices only for rounds 20% shorter (prefer)
 
@@ -139,7 +139,7 @@ class Averaging:
                             give_back, after=[event[0]])
 
     def _act_on(self, event, step, round_) -> tuple:
-        """Acts on `event` by act_table.py: (kind, worker int32 [], step,
+        """Acts on `event` by `decide`'s table: (kind, worker int32 [], step,
         round int64 [], sent_at float64 [] on ps 0's clock); step: int64 [].
         Returns (fresh, lost_member): bool []."""
         s = self.shared
@@ -155,7 +155,7 @@ class Averaging:
             kind, worker, for_round, sent_at, fresh_start, planned)
         abandon, bench_late = self.pace.late(kind, for_step, for_round, step,
                                              round_, sent_at)
-        acts = act_table.decide(
+        acts = decide(
             kind, inside, tf.not_equal(worker, self.chief), planned,
             admitted, tf.equal(for_step, step) & tf.equal(for_round, round_),
             timed, abandon)
@@ -239,3 +239,91 @@ def _assign_where(variable, where: tf.Tensor, value) -> tf.Operation:
     old = variable.read_value()
     new = tf.cast(value, old.dtype) + tf.zeros_like(old)
     return variable.assign(tf.where(where, new, old), read_value=False)
+
+
+@dataclasses.dataclass
+class Acts:
+    """What one event does (each of shape [], like decide's inputs)."""
+    pushed: tf.Tensor       # bool: a push; its round goes to last_push
+    unfinished: tf.Tensor   # bool: planned in the round, not admitted yet
+    fresh: tf.Tensor        # bool: the push is admitted (admitted |= it)
+    dropped: tf.Tensor      # bool: a push neither admitted nor a probe's
+    roster_now: tf.Tensor   # bool: the worker is in the roster after it
+    record: tf.Tensor       # bool: a membership record is put
+    record_kind: tf.Tensor  # like kind: the record's (JOINED, LOST, ...)
+    lost_member: tf.Tensor  # bool: the round ends unfinished
+
+
+def decide(kind, inside, other, planned, admitted, current, timed,
+           abandon) -> Acts:
+    """What the chief does with one event off sync/events (Averaging._act_on),
+    with no variable in it: `decide` in the graph, its twin `decide_np`. In
+    ('-': either): the worker is in the roster (in), the chief (ch), planned
+    (pl), admitted (ad); the event is this step and round's (cu); a push is
+    timed (ti, pace.timing). Out: the push is admitted (fresh) or dropped and
+    counted (drop); the worker's roster bit after ("in": unchanged); the
+    membership record put (its kind); the round ends unfinished (lost):
+
+        kind             in ch pl ad cu ti | fresh  drop  roster  record  lost
+        PUSHED           1  -  1  0  1  -  | 1      0     1       none    0
+        PUSHED           1  -  1  0  0  -  | 0      1     1       none    0
+        PUSHED           1  -  1  1  -  -  | 0      1     1       none    0
+        PUSHED           1  -  0  -  -  1  | 0      0     1       none    0
+        PUSHED           1  -  0  -  -  0  | 0      1     1       none    0
+        PUSHED           0  -  1  0  1  -  | 1      0     1       JOINED  0
+        PUSHED           0  -  1  0  0  -  | 0      1     1       JOINED  0
+        PUSHED           0  -  1  1  -  -  | 0      1     1       JOINED  0
+        PUSHED           0  -  0  -  -  -  | 0      1     1       JOINED  0
+        JOINED           1  -  1  0  -  -  | 0      0     1       JOINED  1
+        JOINED           1  -  1  1  -  -  | 0      0     1       JOINED  0
+        JOINED           1  -  0  -  -  -  | 0      0     1       JOINED  0
+        JOINED           0  -  -  -  -  -  | 0      0     1       JOINED  0
+        LOST or LEAVING  1  0  1  0  -  -  | 0      0     0       kind    1
+        LOST or LEAVING  1  0  1  1  -  -  | 0      0     0       kind    0
+        LOST or LEAVING  1  0  0  -  -  -  | 0      0     0       kind    0
+        LOST or LEAVING  1  1  -  -  -  -  | 0      0     1       none    0
+        LOST or LEAVING  0  -  -  -  -  -  | 0      0     0       none    0
+        LATE             -  -  -  -  -  -  | 0      0     in      none    0
+
+    A LATE event that ends the round (Pace.late's `abandon`) sets lost.
+    Inputs of shape [], or [B] for B events: kind (int32); inside (in),
+    other (not ch), planned (pl), admitted (ad), current (cu), timed (ti),
+    abandon (bool)."""
+    pushed = tf.equal(kind, PUSHED)
+    unfinished = planned & ~admitted
+    fresh = pushed & current & unfinished
+    probed = timed & inside & ~planned
+    # A push from outside the roster: a worker given up on is alive after
+    # all, and joins again. A probe's push from the roster is not dropped.
+    joins = (tf.equal(kind, JOINED) | pushed) & ~inside
+    leaves = (tf.equal(kind, LOST) | tf.equal(kind, LEAVING)) & inside & other
+    # A member joining again was restarted: its old self will never push.
+    restarted = tf.equal(kind, JOINED) & inside
+    # A member left, was restarted, or is far too late: plan again.
+    lost_member = abandon | ((leaves | restarted) & unfinished)
+    return Acts(pushed, unfinished, fresh, pushed & ~(fresh | probed),
+                joins | (inside & ~leaves), joins | leaves | restarted,
+                tf.where(leaves, kind, JOINED), lost_member)
+
+
+def decide_np(kind: int, inside: bool, other: bool, planned: bool,
+              admitted: bool, current: bool, timed: bool,
+              abandon: bool) -> dict:
+    """`decide` in plain Python, row by row of its table: Acts
+    but pushed and unfinished, as a dict (record_kind JOINED if none)."""
+    fresh = record = lost = False
+    dropped, roster, record_kind = kind == PUSHED, inside, JOINED
+    unfinished = planned and not admitted
+    if kind == PUSHED:
+        fresh = unfinished and current
+        dropped = not fresh and not (inside and not planned and timed)
+        roster, record = True, not inside
+    elif kind == JOINED:
+        roster = record = True
+        lost = inside and unfinished
+    elif kind in (LOST, LEAVING) and inside and other:
+        roster, record, record_kind = False, True, kind
+        lost = unfinished
+    return {"fresh": fresh, "dropped": dropped, "roster_now": roster,
+            "record": record, "record_kind": np.int32(record_kind),
+            "lost_member": lost or abandon}

@@ -1,8 +1,7 @@
 """Speeds, benched workers, probes, round deadlines: balanced slices only
 (`--slices=equal` waits for every member). A slice is timed from its plan
 to its push, both on ps 0's clock. Why each rule is as it is:
-docs/how-it-works.md#micro-batches ("Balanced slices").
-"""
+docs/how-it-works.md#micro-batches ("Balanced slices")."""
 
 import numpy as np
 import tensorflow as tf

@@ -2,8 +2,7 @@
 contiguous slice of at least one example each, in worker order, covering
 the batch once. Sizes are equal (to one) or, `--slices=balanced`, follow
 the measured speeds where that predicts clearly shorter rounds. Who
-computes which example never changes the average (learning/replica.py).
-"""
+computes which example never changes the average (learning/replica.py)."""
 
 import numpy as np
 import tensorflow as tf

@@ -3,8 +3,7 @@ every worker (variables match by name, queues by shared_name), all on ps 0
 but the gradient rows, which sit with their shard. Queues: sync/tokens_<k>
 (the chief's to worker k; a negative step is STOP or REJOIN), sync/events
 (to the chief: send_event), sync/deadlines (to its deadline thread,
-pace.py), sync/membership (roster changes, to the chief's Python side).
-"""
+pace.py), sync/membership (roster changes, to the chief's Python side)."""
 
 import tensorflow as tf
 
