@@ -1,8 +1,7 @@
-"""Who is alive: the silence rule, written once for every watch (the
-chief's membership watch, membership.py, and the workers' watch on the
-chief's beat, below), and that watch, which posts CHIEF_LOST to the state
-machine (states.py) once the chief's beat stops: docs/how-it-works.md,
-"The chief's work moves"."""
+"""Who is alive: the silence rule every watch applies (membership.py, and
+the workers' watch on the chief's beat, here), and that watch, which posts
+CHIEF_LOST to the state machine (states.py) once the beat stops: see
+docs/how-it-works.md, "The chief's work moves"."""
 
 import dataclasses
 import time
@@ -116,6 +115,24 @@ class ChiefWatch(BackgroundThread):
         else:
             self._post(Event(Kind.CHIEF_LOST, reason))
         return False
+
+
+def watch_chief(worker) -> ChiefWatch:
+    """The watch on the chief's beat for `worker` (worker.Worker), on its
+    session; it keeps one Judge for the worker's life: a chief seen
+    stepping before a reconnect is not "in its start" after it (it is
+    lost, not slow to start, if its beat stays silent: nemesis seed 921).
+    Silence is measured anew from the first reading of each watch."""
+    g, config = worker.g, worker.config
+    read = worker.callable({"record": g.lock.recorded,
+                            "roster": g.handles.roster,
+                            "step": g.handles.global_step})
+    worker.judge = worker.judge or Judge(
+        worker.k, config.worker_timeout_secs,
+        port_refuses(worker.task.cluster), config.startup_timeout_secs)
+    worker.judge.forget()
+    return ChiefWatch(read, worker.judge, worker.machine.post,
+                      worker.train_steps)
 
 
 def place_in_line(roster, chief: int, me: int) -> int:

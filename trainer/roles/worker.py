@@ -22,7 +22,7 @@ class Worker(WorkerRole):
         h = self.g.handles
         self._wait_for_chief()
         loop = self.loop_callable()   # placed on every task beforehand
-        with self._watchdog() as dog, self._chief_watch():
+        with self._watchdog() as dog, liveness.watch_chief(self):
             token = self._join(dog)
             while True:
                 step = self.at_step = int(token[0])
@@ -83,22 +83,6 @@ class Worker(WorkerRole):
             f"{cluster.describe('ps', 0)}, which does not answer",
             "--startup_timeout_secs", on_return=on_return,
             return_after_secs=self.config.worker_timeout_secs)
-
-    def _chief_watch(self) -> liveness.ChiefWatch:
-        read = self.callable({"record": self.g.lock.recorded,
-                              "roster": self.g.handles.roster,
-                              "step": self.g.handles.global_step})
-        # One Judge for the worker's life: a chief seen stepping before a
-        # reconnect is not "in its start" after it (it is lost, not slow to
-        # start, if its beat stays silent: nemesis seed 921). Silence is
-        # measured anew from the first reading of each watch.
-        self.judge = self.judge or liveness.Judge(
-            self.k, self.config.worker_timeout_secs,
-            liveness.port_refuses(self.task.cluster),
-            self.config.startup_timeout_secs)
-        self.judge.forget()
-        return liveness.ChiefWatch(read, self.judge, self.machine.post,
-                                   self.train_steps)
 
     def _join(self, dog):
         """Asks the chief in; the first token (int64 [4]). Asks again while
