@@ -204,7 +204,7 @@ class Chief(WorkerRole):
             self.generation, lost = takeover.claim(
                 self.session, self.g.lock, self.k,
                 takeover.claim_wait(self.config))
-        # Restores and refills bypass the lock: none over a successor's.
+        # Restores and refills bypass the lock: checked just before them.
         self._check_still_chief()
         if not lost and without_ps.fill_what_was_lost(self.session, ops,
                                                        self.take_back):

@@ -118,11 +118,10 @@ class ChiefWatch(BackgroundThread):
 
 
 def watch_chief(worker) -> ChiefWatch:
-    """The watch on the chief's beat for `worker` (worker.Worker), on its
-    session; it keeps one Judge for the worker's life: a chief seen
-    stepping before a reconnect is not "in its start" after it (it is
-    lost, not slow to start, if its beat stays silent: nemesis seed 921).
-    Silence is measured anew from the first reading of each watch."""
+    """The watch on the chief's beat, on `worker`'s session (worker.Worker),
+    with one Judge for the worker's life: a chief seen stepping before a
+    reconnect is lost, not "in its start", if its beat stays silent after
+    it (nemesis seed 921). Each watch measures silence from its first read."""
     g, config = worker.g, worker.config
     read = worker.callable({"record": g.lock.recorded,
                             "roster": g.handles.roster,

@@ -32,11 +32,10 @@ class _Round:
 
 
 def watch(chief, writer) -> "MembershipWatch":
-    """The watch on `chief`'s session (chief.Chief): it reads the round,
-    takes the roster changes, reports a worker lost with `lost_op` (a LOST
-    on sync/events, SharedState.send_event: the rule acts on it at its next
-    take, averaging.decide) and keeps its log on ps 0 for the next chief;
-    each write only in its generation (graph.py)."""
+    """The watch on `chief`'s session: it reads the round, takes the roster
+    changes, reports a worker lost with `lost_op` (a LOST on sync/events:
+    the rule acts on it, averaging.decide) and keeps its log on ps 0 for
+    the next chief; each write only in its generation (graph.py)."""
     ops, handles, session = chief.g.chief, chief.g.handles, chief.session
     read = chief.callable({
         "step": handles.global_step, "round": handles.round,

@@ -1,6 +1,5 @@
-"""Exactly one chief: the lock on ps 0 that every write of the rule
-takes, the claim of the chief's role, and the chief's beat
-(docs/how-it-works.md, "Exactly one chief" and "The chief's work moves").
+"""Exactly one chief: the lock on ps 0, the claim of the role, the beat
+(docs/how-it-works.md, "Exactly one chief", "The chief's work moves").
 
 A chief cut off still has its loop on ps 0, which writes once its link
 returns. The lock, a queue of capacity 1 on ps 0, holds the generation:
@@ -12,12 +11,15 @@ Every write a chief makes on ps 0, and what refuses it to a deposed one:
 - the lock (`guarded`): a round's plan and each event's acts (sync/
   averaging.py), a step's update and advance (roles/step.py), the halt
   (sync/coordination.py); its loop ends once `current` is false;
-- the record (`if_current`): its beat, its membership watch's LOST, take
-  of the roster changes and log (roles/graph.py);
-- `deposed_by` just before (Chief._check_still_chief): restore, start,
-  ready, stop; the end follows a loop run to the last step;
-- none, and harmless: its own push (not in the current round) and its
-  round deadlines' LATE (it names the step and round it is for)."""
+- the record (`if_current`, a read then the write: a claim in between
+  lets one through): the beat session's, the membership watch's LOST,
+  take of the roster changes and log (roles/graph.py);
+- `deposed_by` just before (Chief._check_still_chief): restore, storage
+  word, start, ready, stop; the end follows a loop run to the last step;
+- none, and harmless: its push (not of the current round), a beat in a
+  round planned before the claim or a claim's own, a round's RELEASE of
+  pull turns (pull_turns.py: it costs only their order) and the round
+  deadlines' LATE (it names the step and round it is for)."""
 
 import time
 from typing import Callable, NamedTuple

@@ -11,8 +11,8 @@ I5. A member reads step t's parameters only after step t - 1 is applied:
 I6. A worker alive and reachable is taken back in: a push from outside
     the roster, or a JOINED, puts it in the next plan; one cut off past
     --worker_timeout_secs joins again once ps 0 answers.
-I7. At most one chief acts: every write here is `guarded` by ps 0's lock
-    holding this chief's generation (roles/takeover.py).
+I7. At most one chief acts: each write here but a RELEASE of pull turns
+    is `guarded` by ps 0's lock holding its generation (roles/takeover.py).
 
 Step t runs rounds (plan, admit pushes, apply) until one completes; a
 member that leaves first, or is far past the deadline (pace.py), ends
