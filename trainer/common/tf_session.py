@@ -6,13 +6,25 @@ from tensorflow.core.protobuf import config_pb2
 
 
 def error_summary(error: Exception) -> str:
-    """The first informative line of a TensorFlow error, shortened."""
+    """The first informative line of a TensorFlow error, shortened. A
+    session's errors begin "Graph execution error:", then the node and
+    where it was defined; a remote task's, "From /job:...:", then what
+    went wrong there: each is joined to the line that says it."""
     text = str(getattr(error, "message", None) or error)
+    said, node = [], ""
     for line in text.splitlines():
         line = line.strip()
-        if line and set(line) != {"="}:
-            return line[:200]
-    return type(error).__name__
+        if line.startswith("Node: "):
+            node = f" (at {line[6:].strip(chr(39))})"
+        elif line and set(line) != {"="} and not line.startswith(_PREAMBLE):
+            said.append(line)
+            if not line.endswith(":"):
+                break
+    return (" ".join(said[:2])[:200] + node) if said else type(error).__name__
+
+
+# The lines TensorFlow puts before an error's message.
+_PREAMBLE = ("Graph execution error:", "Detected at node", "File \"")
 
 
 def make_callable(session, fetches: dict, feeds=()):

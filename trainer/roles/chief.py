@@ -196,6 +196,11 @@ class Chief(WorkerRole):
         ops = self.g.chief
         if self.generation is not None:  # reconnecting: still the chief?
             self._check_still_chief()
+        # Every ps answers before the lock is taken: a claim's take and put
+        # are two runs, and a first run that fails on a ps just started
+        # again (its connection not up yet) then costs a reconnect, not the
+        # lock (and with it a restore, claim_wait later).
+        self.session.run(ops.uninitialized)
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
             self.generation, lost, self._gone = (claim.generation, claim.lost,
