@@ -9,6 +9,7 @@ import time
 from absl import logging
 import tensorflow as tf
 
+from trainer.cluster import devices
 from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary
 from trainer.observe import (progress, results as results_lib, summaries,
@@ -211,8 +212,7 @@ class Chief(WorkerRole):
                 takeover.claim_wait(self.config))
         # Restores and refills bypass the lock: checked just before them.
         self._check_still_chief()
-        if not lost and without_ps.fill_what_was_lost(self.session, ops,
-                                                       self.take_back):
+        if not lost and self._fill_what_was_lost():
             step = int(self.session.run(self.g.handles.global_step))
             self.counted.kept(int(self.session.run(ops.record_from)))
             self._first_round = int(self.session.run(self.g.handles.round))
@@ -234,6 +234,24 @@ class Chief(WorkerRole):
             self.g.coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)
         return step
+
+    def _fill_what_was_lost(self) -> bool:
+        """Whether the chief goes on from the state on the ps tasks: a ps
+        the last chief did without (take_back) and a ps started again are
+        refilled from the copies (a refilled ps 0's step record starts
+        anew), the gradient rows a graph moved to a copy's ps start
+        afresh; then nothing may be missing (else: restore)."""
+        session, ops = self.session, self.g.chief
+        if self.take_back is not None and ops.refill:
+            ops.refill.take_back(session, devices.ps_device(self.take_back))
+        if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
+            session.run(ops.set_record_from)
+        missing = [m.decode() for m in session.run(ops.uninitialized)]
+        if missing and all(m in ops.transient_inits for m in missing):
+            session.run([ops.transient_inits[m] for m in missing])
+            logging.info("started afresh: %s", ", ".join(missing))
+            return True
+        return not missing
 
     def _initialize_or_restore(self, logdir: pathlib.Path) -> int:
         ops = self.g.chief

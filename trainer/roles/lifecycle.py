@@ -1,9 +1,8 @@
 """What the chief and the other workers share: their states' work (`train`,
-`reconnect`), the one way to end it while it blocks (`interrupt`)."""
+`reconnect`) and their session, which run.py's `interrupt` closes."""
 
 import abc
 import functools
-import os
 import threading
 import time
 
@@ -18,9 +17,9 @@ from trainer.common.errors import RunFailed
 from trainer.common.tf_session import error_summary, make_callable
 from trainer.learning.data import Mnist
 from trainer.observe import tracing
-from trainer.roles import (ending, graph as worker_graph, sessions, standby,
-                           timing, without_ps)
-from trainer.roles.states import Event, How, Kind, Machine
+from trainer.roles import (graph as worker_graph, sessions, standby, timing,
+                           without_ps)
+from trainer.roles.states import Event, Kind, Machine
 
 # A ps task dead or restarted: refused, handles or variables gone or unset.
 PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
@@ -30,7 +29,8 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
-    `interrupt` closes the session from a thread: it is swapped under _lock."""
+    The session may be closed from a thread (run.Roles.interrupt): it is
+    swapped under _lock."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, machine: Machine, as_chief: bool = False,
@@ -38,7 +38,6 @@ class WorkerRole(abc.ABC):
                  warmed: standby.Warmed | None = None):
         self.config, self.task, self.server = config, task, server
         self.mnist, self.machine = mnist, machine
-        machine.attach(self.interrupt)
         self.k = task.task_index
         self.train_steps = config.resolved_train_steps(len(mnist.train_labels))
         self.session, self._lock = None, threading.Lock()
@@ -100,18 +99,6 @@ class WorkerRole(abc.ABC):
         else:
             self.close_session(timing.QUICK_CLOSE_SECS)
         return Event(Kind.RECONNECTED, "the old session is closed")
-
-    def interrupt(self, event: Event, how: How) -> None:
-        """Ends the blocked work for an event, as `how` says (any thread)."""
-        if how == How.AT_BOUNDARY:
-            ending.halt_loop(self, self.session)
-            return
-        if how == How.NOW_OR_EXIT:
-            # Cut off from ps 0, the close or run can block for long: exit.
-            threading.Thread(target=self._exit_after_deadline,
-                             args=(self.with_step(event.reason),),
-                             daemon=True, name="give-up-deadline").start()
-        self.close_session()
 
     def with_step(self, reason: str) -> str:
         """`reason`, naming the step this worker was at (not the chief's)."""
@@ -182,14 +169,6 @@ class WorkerRole(abc.ABC):
             loop, tracing.traced_run(self.session, self.g.loop_outputs,
                                      feeds, bound),
             self.config.trace_range(), self.traces)
-
-    @staticmethod
-    def _exit_after_deadline(reason: str) -> None:
-        time.sleep(timing.CLOSE_DEADLINE_SECS)
-        logging.error("%s; the blocked session did not end within %.0f s; "
-                      "exiting", reason, timing.CLOSE_DEADLINE_SECS)
-        logging.flush()
-        os._exit(1)
 
 
 def token_of(step: int) -> np.ndarray:

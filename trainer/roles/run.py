@@ -2,7 +2,9 @@
 (ps.py), the chief (chief.py) or another worker (worker.py), to the end."""
 
 import contextlib
+import os
 import threading
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -13,11 +15,11 @@ from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import RunFailed
 from trainer.learning import data as data_lib
-from trainer.roles import (graph as worker_graph, lifecycle, liveness, ps,
-                           standby, states, takeover, timing)
+from trainer.roles import (ending, graph as worker_graph, lifecycle,
+                           liveness, ps, standby, states, takeover, timing)
 from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
-from trainer.roles.states import Event, Kind, State
+from trainer.roles.states import Event, How, Kind, State
 from trainer.roles.worker import Worker
 from trainer.saving import checkpoints, settings
 
@@ -62,6 +64,7 @@ class Roles:
         self.config, self.task, self.server = config, task, server
         self.mnist, self.data_dir, self.machine = mnist, data_dir, machine
         self._stack, self.role, self._spare = stack, None, None
+        machine.attach(self.interrupt)
 
     def work(self, state: State) -> Event:
         if state == State.STARTING:
@@ -71,6 +74,25 @@ class Roles:
         if state == State.RECONNECTING:
             return self.role.reconnect(self.machine.cause)
         return self.role.train()   # WORKER, CHIEF
+
+    def interrupt(self, event: Event, how: How) -> None:
+        """How a posted event ends the role's work where it blocks (any
+        thread: Machine.post calls it). The chief's halt: its loop stops at
+        the next step boundary and raises states.Interrupted. Else the
+        session is closed: a session.run blocked on a lost peer ends only
+        so, with an error that Machine.outcome replaces by the event."""
+        role = self.role
+        if role is None:   # not started: nothing blocks yet
+            return
+        if how == How.AT_BOUNDARY:
+            ending.halt_loop(role, role.session)
+            return
+        if how == How.NOW_OR_EXIT:
+            # Cut off from ps 0, the close or run can block for long: exit.
+            threading.Thread(target=_exit_after_deadline,
+                             args=(role.with_step(event.reason),),
+                             daemon=True, name="give-up-deadline").start()
+        role.close_session()
 
     def _start(self) -> Event:
         config, task, server = self.config, self.task, self.server
@@ -115,6 +137,14 @@ class Roles:
             raise cause.error
         raise RunFailed(self.role.with_step(cause.reason) if self.role
                         else cause.reason) from None
+
+
+def _exit_after_deadline(reason: str) -> None:
+    time.sleep(timing.CLOSE_DEADLINE_SECS)
+    logging.error("%s; the blocked session did not end within %.0f s; "
+                  "exiting", reason, timing.CLOSE_DEADLINE_SECS)
+    logging.flush()
+    os._exit(1)
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:

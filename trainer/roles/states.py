@@ -7,7 +7,7 @@ move it, the table between them, and the loop that moves it.
 `Machine.run` does each state's work (run.py's Roles) and moves on the
 Event it returns (TABLE). Threads beside a run (background.py) only `post`
 what they saw; as the work may block in a session.run, post() ends it as
-HOW says, through the role's `interrupt`: at once (session closed) or at
+HOW says, through run.py's `interrupt`: at once (session closed) or at
 the next step boundary (the chief's halt). The loop then takes the posted
 event in place of the run's error: every decision is the table's, on the
 loop; post() only keeps, of two posted at once, the higher priority

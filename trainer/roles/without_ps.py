@@ -148,21 +148,3 @@ def changed(error: Exception) -> bool:
     """A push refused: the chief's graph serves the shards otherwise."""
     return (isinstance(error, tf.errors.InvalidArgumentError)
             and state_lib.SERVING_CHANGED in str(error))
-
-
-def fill_what_was_lost(session, ops, take_back: int | None) -> bool:
-    """Whether the chief goes on from the state on the ps tasks (ops: its
-    ChiefOps): `take_back` (a ps the last chief did without) and a ps
-    started again are refilled from the copies (a refilled ps 0's step
-    record starts anew), and the gradient rows a graph moved to a copy's
-    ps started afresh; then nothing may be missing."""
-    if take_back is not None and ops.refill:
-        ops.refill.take_back(session, devices.ps_device(take_back))
-    if ops.refill and ops.refill.after_restart(session, ops.uninitialized):
-        session.run(ops.set_record_from)
-    missing = [m.decode() for m in session.run(ops.uninitialized)]
-    if missing and all(m in ops.transient_inits for m in missing):
-        session.run([ops.transient_inits[m] for m in missing])
-        logging.info("started afresh: %s", ", ".join(missing))
-        return True
-    return not missing
