@@ -8,10 +8,8 @@ line and status 2, a run that cannot go on with status 1.
 import atexit
 import os
 import signal
-import sys
 import threading
 import time
-from typing import NoReturn
 
 # TensorFlow's C++ runtime logs a spurious "failed call to cuInit" error on
 # CPU-only machines and much else; its real errors reach us as exceptions.
@@ -23,18 +21,17 @@ from absl import logging  # noqa: E402
 
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer.cluster import kubernetes  # noqa: E402
+from trainer.common import processes  # noqa: E402
 from trainer.common.config import validate  # noqa: E402
 from trainer.common.errors import RunFailed, UserError  # noqa: E402
 
 FLAGS = trainer_flags.FLAGS
-# Run before os._exit (which skips atexit): e.g. --firewall's at_exit.
-_AT_EXIT = []
 
 
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    signal.signal(signal.SIGTERM, lambda *_: _exit_now("terminated", 143))
+    signal.signal(signal.SIGTERM, lambda *_: processes.exit_now("terminated", 143))
     try:
         task = trainer_flags.task_from_flags()
         config = trainer_flags.config_from_flags()
@@ -71,7 +68,7 @@ def main(argv) -> int:
     if terminated:
         if "error" in outcome:
             logging.error("%s", outcome["error"])
-        _exit_now("terminated", 143)
+        processes.exit_now("terminated", 143)
     error = outcome.get("error")
     if error is None:
         if FLAGS.cluster == "kubernetes" and FLAGS.kubernetes_hold_after_end:
@@ -95,23 +92,23 @@ def _wait_for(thread, terminated: list, terminate) -> None:
             if terminated and deadline is None:
                 grace = terminate()
                 if not grace:
-                    _exit_now("terminated", 143)
+                    processes.exit_now("terminated", 143)
                 deadline = time.monotonic() + grace
             if deadline is not None and time.monotonic() > deadline:
-                _exit_now("terminated; the chief did not stop in time", 143)
+                processes.exit_now("terminated; the chief did not stop in time", 143)
     except KeyboardInterrupt:
-        _exit_now("interrupted", 130)
+        processes.exit_now("interrupted", 130)
 
 
 def _install_firewall(task) -> None:
     """--firewall: this task's nftables table, in before the server binds.
     Its guard deletes it once this process has exited, however it ends
     (trainer/cluster/table_guard.py); wall.at_exit (run at any exit:
-    atexit, and _exit_now's _AT_EXIT) deletes it only where no guard
+    atexit, and processes.exit_now's AT_EXIT) deletes it only where no guard
     watches."""
     from trainer.cluster import firewall
     wall = firewall.Firewall(task)
-    _AT_EXIT.append(wall.at_exit)
+    processes.AT_EXIT.append(wall.at_exit)
     atexit.register(wall.at_exit)
     wall.install(task)
 
@@ -121,20 +118,6 @@ def _fail(error: Exception, status: int) -> int:
         raise error
     logging.error("%s", error)
     return status
-
-
-def _exit_now(why: str | None, status: int) -> NoReturn:
-    """Ends the process now, saying `why` (None: a normal end) at error
-    level. Checkpoints are safe: TensorFlow only points `checkpoint` at a
-    new one after it is fully written."""
-    if why:
-        logging.error("%s; exiting", why)
-    for cleanup in _AT_EXIT:
-        cleanup()
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _leave(task, status: int) -> int:
@@ -156,7 +139,7 @@ def _leave(task, status: int) -> int:
     session.close() waiting forever on such a reply."""
     if task.job_name == "ps":
         return status
-    _exit_now(None, status)
+    processes.exit_now(None, status)
 
 
 def run_main():

@@ -16,6 +16,9 @@ hosts (trainer/bench/simhosts/hosts.py) use for their processes too:
   * `stop_all()` / `terminate_then_kill()`: SIGTERM, a bounded wait, then
     SIGKILL.
 
+And this process's own end: `exit_now()`, which runs `AT_EXIT` first, and
+`exit_after()`, the same on a timer.
+
 Signal handling stays with the commands: a command that must stop its
 children on Ctrl-C or SIGTERM turns them into KeyboardInterrupt (as
 trainer/launch.py does) and calls `stop_all()` when it arrives.
@@ -30,10 +33,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 from absl import logging
 
+# Run before os._exit (which skips atexit): e.g. --firewall's at_exit.
+AT_EXIT: list[Callable[[], None]] = []
 KILL_WAIT_SECS = 10.0  # for SIGKILLed processes to be gone
 # How long a chief sent SIGTERM may take to end training at a step
 # boundary, save a checkpoint and stop every task. The chief itself
@@ -283,3 +288,26 @@ def supervise(children: list[Child], grace_secs: float,
             stop_all(children, grace_secs)
             return ending
         time.sleep(poll_secs)
+
+
+def exit_now(why: str | None, status: int) -> NoReturn:
+    """Ends this process now, saying `why` (None: a normal end) at error
+    level, after AT_EXIT. Checkpoints are safe: TensorFlow only points
+    `checkpoint` at a new one after it is fully written."""
+    if why:
+        logging.error("%s; exiting", why)
+    for cleanup in AT_EXIT:
+        cleanup()
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def exit_after(secs: float, why: str, status: int) -> None:
+    """exit_now(why, status) in `secs` s, from a daemon thread started now:
+    it bounds the process's life (nothing cancels it)."""
+    def later():
+        time.sleep(secs)
+        exit_now(why, status)
+    threading.Thread(target=later, daemon=True, name="exit-after").start()

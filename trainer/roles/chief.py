@@ -197,10 +197,8 @@ class Chief(WorkerRole):
         ops = self.g.chief
         if self.generation is not None:  # reconnecting: still the chief?
             self._check_still_chief()
-        # Every ps answers before the lock is taken: a claim's take and put
-        # are two runs, and a first run that fails on a ps just started
-        # again (its connection not up yet) then costs a reconnect, not the
-        # lock (and with it a restore, claim_wait later).
+        # Every ps answers before a claim's take and put (two runs): a ps
+        # just started again then costs a reconnect, not the lock.
         self.session.run(ops.uninitialized)
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
@@ -236,11 +234,9 @@ class Chief(WorkerRole):
         return step
 
     def _fill_what_was_lost(self) -> bool:
-        """Whether the chief goes on from the state on the ps tasks: a ps
-        the last chief did without (take_back) and a ps started again are
-        refilled from the copies (a refilled ps 0's step record starts
-        anew), the gradient rows a graph moved to a copy's ps start
-        afresh; then nothing may be missing (else: restore)."""
+        """Whether to go on from the ps tasks' state: refills a ps done
+        without (take_back) or started again from the copies, starts
+        afresh what may; then nothing may be missing (else: restore)."""
         session, ops = self.session, self.g.chief
         if self.take_back is not None and ops.refill:
             ops.refill.take_back(session, devices.ps_device(self.take_back))

@@ -29,8 +29,7 @@ PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
-    The session may be closed from a thread (run.Roles.interrupt): it is
-    swapped under _lock."""
+    run.Roles.interrupt closes the session from a thread: it is under _lock."""
 
     def __init__(self, config: TrainConfig, task: Task, server,
                  mnist: Mnist, machine: Machine, as_chief: bool = False,

@@ -2,9 +2,7 @@
 (ps.py), the chief (chief.py) or another worker (worker.py), to the end."""
 
 import contextlib
-import os
 import threading
-import time
 
 from absl import logging
 import tensorflow as tf
@@ -76,11 +74,10 @@ class Roles:
         return self.role.train()   # WORKER, CHIEF
 
     def interrupt(self, event: Event, how: How) -> None:
-        """How a posted event ends the role's work where it blocks (any
-        thread: Machine.post calls it). The chief's halt: its loop stops at
-        the next step boundary and raises states.Interrupted. Else the
-        session is closed: a session.run blocked on a lost peer ends only
-        so, with an error that Machine.outcome replaces by the event."""
+        """How a posted event ends the role's blocked work (Machine.post,
+        any thread): the chief's halt (its loop stops at a step boundary),
+        or the session closed: a session.run blocked on a lost peer ends
+        only so, and Machine.outcome puts the event in place of its error."""
         role = self.role
         if role is None:   # not started: nothing blocks yet
             return
@@ -89,16 +86,16 @@ class Roles:
             return
         if how == How.NOW_OR_EXIT:
             # Cut off from ps 0, the close or run can block for long: exit.
-            threading.Thread(target=_exit_after_deadline,
-                             args=(role.with_step(event.reason),),
-                             daemon=True, name="give-up-deadline").start()
+            secs = timing.CLOSE_DEADLINE_SECS
+            processes.exit_after(secs, f"{role.with_step(event.reason)}; the "
+                                 f"blocked session did not end within "
+                                 f"{secs:.0f} s", 1)
         role.close_session()
 
     def _start(self) -> Event:
         config, task, server = self.config, self.task, self.server
         if task.is_chief and not _another_chief(config, task, server):
-            self._become(Chief(config, task, server, self.mnist,
-                               self.machine))
+            self._become(Chief(config, task, server, self.mnist, self.machine))
             return Event(Kind.CHOSEN, "the chief's work is this task's",
                          role=State.CHIEF)
         self.role = Worker(config, task, server, self.mnist, self.machine)
@@ -137,14 +134,6 @@ class Roles:
             raise cause.error
         raise RunFailed(self.role.with_step(cause.reason) if self.role
                         else cause.reason) from None
-
-
-def _exit_after_deadline(reason: str) -> None:
-    time.sleep(timing.CLOSE_DEADLINE_SECS)
-    logging.error("%s; the blocked session did not end within %.0f s; "
-                  "exiting", reason, timing.CLOSE_DEADLINE_SECS)
-    logging.flush()
-    os._exit(1)
 
 
 def _another_chief(config: TrainConfig, task: Task, server) -> bool:

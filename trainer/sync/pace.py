@@ -44,8 +44,7 @@ class Pace:
         slow = (secs > BENCH_FACTOR * others) & (others > 0)
         measured, mean = slices_lib.measured_mean(speed, roster)
         few = measured & (speed < MIN_SHARE * mean)
-        return (slow | few) & tf.not_equal(tf.range(tf.size(secs)),
-                                           self.chief)
+        return (slow | few) & tf.not_equal(tf.range(tf.size(secs)), self.chief)
 
     def probes(self, now: tf.Tensor, out: tf.Tensor) -> tuple:
         """(bool [N]: the benched (out: bool [N]) with no slice outstanding

@@ -35,8 +35,7 @@ def at_most(members: tf.Tensor, count: int, chief: int = 0) -> tf.Tensor:
     is_chief = members & tf.equal(tf.range(tf.size(members)), chief)
     others = members & ~is_chief
     room = count - tf.reduce_sum(tf.cast(is_chief, tf.int32))
-    return is_chief | (others & (tf.cumsum(tf.cast(others, tf.int32))
-                                 <= room))
+    return is_chief | (others & (tf.cumsum(tf.cast(others, tf.int32)) <= room))
 
 
 def at_most_np(members, count: int, chief: int = 0) -> np.ndarray:
