@@ -1,5 +1,5 @@
-"""What the chief and the other workers share: their states' work (`train`,
-`reconnect`) and their session, which run.py's `interrupt` closes."""
+"""What the chief and the other workers share: the graph they train on, its
+session (connect, close) and the loop's callable; run.py drives them."""
 
 import abc
 import functools
@@ -8,24 +8,17 @@ import time
 
 from absl import logging
 import numpy as np
-import tensorflow as tf
 
 from trainer.cluster import ports
 from trainer.cluster.spec import Task
 from trainer.common.config import TrainConfig
 from trainer.common.errors import RunFailed
-from trainer.common.tf_session import error_summary, make_callable
+from trainer.common.tf_session import make_callable
 from trainer.learning.data import Mnist
 from trainer.observe import tracing
 from trainer.roles import (graph as worker_graph, sessions, standby, timing,
                            without_ps)
-from trainer.roles.states import Event, Kind, Machine
-
-# A ps task dead or restarted: refused, handles or variables gone or unset.
-PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
-           tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
-           tf.errors.CancelledError, tf.errors.InternalError)
-
+from trainer.roles.states import Machine
 
 class WorkerRole(abc.ABC):
     """A worker's Python side; subclasses say what to do once connected.
@@ -63,42 +56,6 @@ class WorkerRole(abc.ABC):
     def run_connected(self) -> None:
         """Trains to the end with an open session (chief.py, worker.py)."""
 
-    def train(self) -> Event:
-        """The work of WORKER and CHIEF: DONE, or the event that ended it."""
-        try:
-            self._connect()
-            # Saver.save and .restore pick graph mode by the default graph.
-            with self.g.graph.as_default():
-                self.run_connected()
-            return Event(Kind.DONE, "trained to the end")
-        except Exception as e:  # noqa: BLE001 (the loop decides)
-            return self._event_of(e)
-
-    def _event_of(self, error: Exception) -> Event:
-        if isinstance(error, RunFailed):
-            return Event(Kind.FAILURE, str(error), error=error)
-        first_line = error_summary(error)
-        if without_ps.changed(error):
-            return Event(Kind.SERVING_CHANGED, first_line)
-        if not isinstance(error, PS_LOST):
-            return Event(Kind.FAILURE, first_line, error=error)
-        timeout = self.config.startup_timeout_secs
-        if time.monotonic() - self.last_progress > timeout:
-            reason = (f"no training step succeeded for {timeout:.0f} s "
-                      f"(--startup_timeout_secs); last error: {first_line}")
-            return Event(Kind.FAILURE, reason, error=RunFailed(reason))
-        return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
-
-    def reconnect(self, cause: Event) -> Event:
-        """The work of RECONNECTING: closes the session, quickly (a ps may be
-        gone) unless on PS_BACK, after which it joins anew, silence reset."""
-        if cause.kind == Kind.PS_BACK:
-            self.last_progress = time.monotonic()
-            self.close_session()
-        else:
-            self.close_session(timing.QUICK_CLOSE_SECS)
-        return Event(Kind.RECONNECTED, "the old session is closed")
-
     def with_step(self, reason: str) -> str:
         """`reason`, naming the step this worker was at (not the chief's)."""
         suffix = f"; this worker was at step {self.at_step}"
@@ -106,7 +63,8 @@ class WorkerRole(abc.ABC):
             return reason
         return reason + suffix
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Opens the session, on the graph for the ps tasks the chief uses."""
         timeout = self.config.startup_timeout_secs
         down = self.take_back = None
         if self.config.ps_mirrors:

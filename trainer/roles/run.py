@@ -3,6 +3,7 @@
 
 import contextlib
 import threading
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -12,14 +13,21 @@ from trainer.cluster.spec import Task
 from trainer.common import processes
 from trainer.common.config import TrainConfig, validate
 from trainer.common.errors import RunFailed
+from trainer.common.tf_session import error_summary
 from trainer.learning import data as data_lib
 from trainer.roles import (ending, graph as worker_graph, lifecycle,
-                           liveness, ps, standby, states, takeover, timing)
+                           liveness, ps, standby, states, takeover, timing,
+                           without_ps)
 from trainer.roles.background import ThreadCall
 from trainer.roles.chief import Chief
 from trainer.roles.states import Event, How, Kind, State
 from trainer.roles.worker import Worker
 from trainer.saving import checkpoints, settings
+
+# A ps task dead or restarted: refused, handles or variables gone or unset.
+PS_LOST = (tf.errors.UnavailableError, tf.errors.AbortedError,
+           tf.errors.NotFoundError, tf.errors.FailedPreconditionError,
+           tf.errors.CancelledError, tf.errors.InternalError)
 
 
 def run(config: TrainConfig, task: Task) -> None:
@@ -70,8 +78,44 @@ class Roles:
         if state == State.CLAIMING:
             return self._claim(self.machine.cause.reason)
         if state == State.RECONNECTING:
-            return self.role.reconnect(self.machine.cause)
-        return self.role.train()   # WORKER, CHIEF
+            return self._reconnect(self.machine.cause)
+        return self._train()   # WORKER, CHIEF
+
+    def _train(self) -> Event:
+        """WORKER's and CHIEF's work: DONE, or the event its error means."""
+        role = self.role
+        try:
+            role.connect()
+            # Saver.save and .restore pick graph mode by the default graph.
+            with role.g.graph.as_default():
+                role.run_connected()
+            return Event(Kind.DONE, "trained to the end")
+        except Exception as e:  # noqa: BLE001 (the loop decides)
+            return self._event_of(e)
+
+    def _event_of(self, error: Exception) -> Event:
+        if isinstance(error, RunFailed):
+            return Event(Kind.FAILURE, str(error), error=error)
+        first_line = error_summary(error)
+        if without_ps.changed(error):
+            return Event(Kind.SERVING_CHANGED, first_line)
+        if not isinstance(error, PS_LOST):
+            return Event(Kind.FAILURE, first_line, error=error)
+        timeout = self.config.startup_timeout_secs
+        if time.monotonic() - self.role.last_progress > timeout:
+            reason = (f"no training step succeeded for {timeout:.0f} s "
+                      f"(--startup_timeout_secs); last error: {first_line}")
+            return Event(Kind.FAILURE, reason, error=RunFailed(reason))
+        return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
+
+    def _reconnect(self, cause: Event) -> Event:
+        """RECONNECTING's work: closes the session; quickly but on PS_BACK."""
+        if cause.kind == Kind.PS_BACK:
+            self.role.last_progress = time.monotonic()
+            self.role.close_session()
+        else:
+            self.role.close_session(timing.QUICK_CLOSE_SECS)
+        return Event(Kind.RECONNECTED, "the old session is closed")
 
     def interrupt(self, event: Event, how: How) -> None:
         """How a posted event ends the role's blocked work (Machine.post,
@@ -86,10 +130,9 @@ class Roles:
             return
         if how == How.NOW_OR_EXIT:
             # Cut off from ps 0, the close or run can block for long: exit.
-            secs = timing.CLOSE_DEADLINE_SECS
-            processes.exit_after(secs, f"{role.with_step(event.reason)}; the "
-                                 f"blocked session did not end within "
-                                 f"{secs:.0f} s", 1)
+            processes.exit_after(timing.CLOSE_DEADLINE_SECS, (
+                f"{role.with_step(event.reason)}; the blocked session did not"
+                f" end within {timing.CLOSE_DEADLINE_SECS:.0f} s"), 1)
         role.close_session()
 
     def _start(self) -> Event:

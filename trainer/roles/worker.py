@@ -1,5 +1,5 @@
 """Workers other than the chief: wait for it, join, then push a gradient
-for each slice it hands out (step.WorkerStep; reconnects: lifecycle.py)."""
+for each slice it hands out (step.WorkerStep; reconnects: run.py)."""
 
 import time
 
