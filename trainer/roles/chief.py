@@ -234,9 +234,8 @@ class Chief(WorkerRole):
         return step
 
     def _fill_what_was_lost(self) -> bool:
-        """Whether to go on from the ps tasks' state: refills a ps done
-        without (take_back) or started again from the copies, starts
-        afresh what may; then nothing may be missing (else: restore)."""
+        """Whether to go on from the ps tasks' state (else restore): fills a
+        ps done without or started again, starts afresh what may, or not."""
         session, ops = self.session, self.g.chief
         if self.take_back is not None and ops.refill:
             ops.refill.take_back(session, devices.ps_device(self.take_back))

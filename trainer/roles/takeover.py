@@ -7,7 +7,8 @@ a claim takes it (after a write in flight) and puts back the next; one a
 chief killed in a write never put back is restored (claim_wait). ps 1
 keeps a copy with --ps_mirrors: a ps 0 started again gives out none twice.
 
-Every write a chief makes on ps 0, and what refuses it to a deposed one:
+Every write a chief makes on the ps tasks, and what refuses it to a
+deposed one (tests/test_guards.py checks the loop's on its graph):
 - the lock (`guarded`): a round's plan and each event's acts (sync/
   averaging.py), a step's update and advance (roles/step.py), the halt
   (sync/coordination.py); its loop ends once `current` is false;
@@ -16,10 +17,11 @@ Every write a chief makes on ps 0, and what refuses it to a deposed one:
   take of the roster changes and log (roles/graph.py);
 - `deposed_by` just before (Chief._check_still_chief): restore, storage
   word, start, ready, stop; the end follows a loop run to the last step;
-- none, and harmless: its push (not of the current round), a beat in a
-  round planned before the claim or a claim's own, a round's RELEASE of
-  pull turns (pull_turns.py: it costs only their order) and the round
-  deadlines' LATE (it names the step and round it is for)."""
+- none, and harmless: its push (not of the current round), an event
+  taken (put back if refused), a beat in a round planned before the
+  claim or a claim's own, pull turns passed or RELEASEd (costing only
+  their order), the deadlines' take and LATE (of their round only), a
+  checkpoint after a loop run (of steps it applied)."""
 
 import time
 from typing import Callable, NamedTuple
@@ -32,6 +34,7 @@ from trainer.roles.background import BackgroundThread
 from trainer.sync import mirrors
 
 GENERATION, INDEX, BEATS = 0, 1, 2   # the fields of sync/chief
+GUARD = "chief_guard"   # the name scope of a guard's cond (a test finds it)
 
 
 class ChiefLock:
@@ -83,7 +86,8 @@ class ChiefLock:
         while it waits (a ps lost) would lose the lock."""
         with tf.device(self.device), tf.control_dependencies(after):
             held = self.queue.dequeue()
-            out = tf.cond(tf.equal(held, generation), write, refused)
+            with tf.name_scope(GUARD):
+                out = tf.cond(tf.equal(held, generation), write, refused)
             flat = tf.nest.flatten(out)
             with tf.control_dependencies(flat):
                 put = self.queue.enqueue(held)
@@ -105,7 +109,7 @@ class ChiefLock:
             with tf.control_dependencies([write()]):
                 return tf.constant(True)
         branch = write if refused else ran
-        with tf.device(self.device):
+        with tf.device(self.device), tf.name_scope(GUARD):
             return tf.cond(self.current(generation), branch,
                            refused or (lambda: tf.constant(False)))
 
