@@ -195,11 +195,11 @@ class Chief(WorkerRole):
         """Claims the role; goes on from the ps tasks' state where whole, else
         initializes or restores; asks every worker in. Returns the step."""
         ops = self.g.chief
-        if self.generation is not None:  # reconnecting: still the chief?
-            self._check_still_chief()
         # Every ps answers before a claim's take and put (two runs): a ps
         # just started again then costs a reconnect, not the lock.
         self.session.run(ops.uninitialized)
+        if self.generation is not None:  # reconnecting: still the chief?
+            self._check_still_chief()
         if self.taking_over:  # claimed by the worker, before its graph
             claim = self.taking_over.claim
             self.generation, lost, self._gone = (claim.generation, claim.lost,
