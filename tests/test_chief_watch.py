@@ -230,3 +230,12 @@ def test_no_beat_before_the_role_is_claimed(monkeypatch):
         while "handed over" not in events and time.monotonic() < deadline:
             time.sleep(0.01)
     assert events[:2] == ["beat", "handed over"]
+
+
+def test_the_judge_names_the_chief_the_record_names():
+    """The worker's messages name the chief the watch last read (a worker
+    that took over), not worker 0."""
+    j = judge(1)
+    assert j.chief == 0   # nothing read yet: worker 0 starts as the chief
+    j.update([2, 3, 0], ROSTER, 0.0)
+    assert j.chief == 3

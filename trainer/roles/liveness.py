@@ -45,6 +45,7 @@ class Judge:
     _since: float = 0.0                 # when they last changed
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
+    chief: int = 0                      # the chief's index, as last read
 
     def forget(self) -> None:
         """ps 0 did not answer: silence is measured anew from the next read."""
@@ -57,7 +58,7 @@ class Judge:
         if read_secs > self.timeout / 2:
             # ps 0 held the reading up: the chief's beats could not land.
             self.forget()
-        chief = int(record[INDEX])
+        chief = self.chief = int(record[INDEX])
         seen = (int(record[GENERATION]), int(record[BEATS]))
         if step is not None:   # a step that moved: the chief has started
             if self._start[0] != seen[0]:

@@ -25,10 +25,9 @@ def close_within(session, secs: float = timing.QUICK_CLOSE_SECS) -> bool:
 
 class Own:
     """A session on a small graph of our own (the chief's beat, a claim,
-    ps 0's reader), lest its runs wait behind a big first run of the
-    training session (a session places one graph at a time; see
-    docs/how-it-works.md). Each run waits at most `timeout_ms`; a failed
-    one opens it again (an old session cannot use a ps started again)."""
+    ps 0's reader): its runs never wait behind the training session's big
+    first run (a session places one graph at a time). Runs wait at most
+    `timeout_ms`; a failed one opens it anew (for a ps started again)."""
 
     def __init__(self, target: str, graph: tf.Graph, config, task,
                  ps_tasks: list[int] | None, timeout_ms: int):

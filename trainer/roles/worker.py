@@ -53,7 +53,6 @@ class Worker(WorkerRole):
         ps 0 answers after --worker_timeout_secs: the chief counted us out."""
         h, cluster = self.g.handles, self.task.cluster
         timeout = self.config.startup_timeout_secs
-        chief = cluster.describe("worker", 0)
 
         def read_progress():
             session, _ = self.session_and_graph()
@@ -69,6 +68,8 @@ class Worker(WorkerRole):
             return ", ".join(missing) or "the chief to apply the step"
 
         def on_timeout(at, who) -> None:
+            chief = cluster.describe(
+                "worker", self.judge.chief if self.judge else 0)
             self.machine.post(Event(Kind.STALLED, (
                 f"{'global step ' + str(at) if at is not None else 'training'}"
                 f" did not move for {timeout:.0f} s (--startup_timeout_secs),"
@@ -144,7 +145,6 @@ class Worker(WorkerRole):
 
 
 def _first_difference(a: str, b: str) -> tuple[str, str]:
-    """The first differing words of a and b (or a and b themselves)."""
     for x, y in zip(a.split(), b.split()):
         if x != y:
             return x, y
