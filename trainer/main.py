@@ -95,7 +95,8 @@ def _wait_for(thread, terminated: list, terminate) -> None:
                     processes.exit_now("terminated", 143)
                 deadline = time.monotonic() + grace
             if deadline is not None and time.monotonic() > deadline:
-                processes.exit_now("terminated; the chief did not stop in time", 143)
+                processes.exit_now(
+                    "terminated; the chief did not stop in time", 143)
     except KeyboardInterrupt:
         processes.exit_now("interrupted", 130)
 
