@@ -31,7 +31,8 @@ FLAGS = trainer_flags.FLAGS
 def main(argv) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    signal.signal(signal.SIGTERM, lambda *_: processes.exit_now("terminated", 143))
+    signal.signal(signal.SIGTERM,
+                  lambda *_: processes.exit_now("terminated", 143))
     try:
         task = trainer_flags.task_from_flags()
         config = trainer_flags.config_from_flags()
