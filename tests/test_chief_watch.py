@@ -157,6 +157,23 @@ def test_a_chief_gone_after_the_last_step_is_not_replaced():
         assert [e.kind for e in posted] == [kind]
 
 
+
+def test_a_worker_asking_in_as_the_run_ends_is_told_it_ended():
+    """Seed 961: worker 2, back from a cut, asked to join as the chief
+    ended the run; the chief's beat went on until ps 0 exited, so the
+    watch saw no lost chief. Out of the roster at the last step, it ends;
+    in the roster, its end comes with its token."""
+    out = np.array([True, True, False, True])
+    for roster, step, kinds in ((out, 299, []), (ROSTER, 300, []),
+                                (out, 300, [Kind.ENDED_AWAY])):
+        posted = []
+        watch = liveness.ChiefWatch(
+            lambda r=roster, s=step: {"record": [1, 0, 7], "roster": r,
+                                      "step": s}, judge(2),
+            posted.append, 300)
+        assert watch.run_once() is (False if kinds else None)
+        assert [e.kind for e in posted] == kinds
+
 def test_a_worker_says_when_its_logdir_is_not_the_chiefs(tmp_path):
     from trainer.saving import storage
     chiefs, other = tmp_path / "chief", tmp_path / "other"

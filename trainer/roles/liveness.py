@@ -85,9 +85,9 @@ class Judge:
 
 
 class ChiefWatch(BackgroundThread):
-    """Posts CHIEF_LOST once Judge calls the chief lost, or ENDED_AWAY past
-    the last step. read: () -> {"record", "roster", "step"} (numpy), as
-    Judge.update takes them."""
+    """Posts CHIEF_LOST once Judge calls the chief lost; past the last step,
+    or out of the roster there, ENDED_AWAY. read: () -> {"record",
+    "roster", "step"} (numpy), as Judge.update takes them."""
 
     def __init__(self, read: Callable[[], dict], judge: Judge,
                  post: Callable[[Event], bool], train_steps: int):
@@ -104,17 +104,18 @@ class ChiefWatch(BackgroundThread):
             self._judge.forget()
             return None
         now = time.monotonic()
-        reason = self._judge.update(record, roster, now, now - started,
-                                    int(step))
-        if reason is None:
-            return None
-        if step >= self._train_steps:
-            # The run ended while we were away: a chief would wait for no ps.
+        judge = self._judge
+        reason = judge.update(record, roster, now, now - started, int(step))
+        if step >= self._train_steps and (reason or not roster[judge.me]):
+            # The run ended while we were away, and its ps tasks exit next
+            # (nemesis seed 961): a chief would wait for no ps.
             self._post(Event(Kind.ENDED_AWAY, (
                 f"the run ended at step {int(step)}, its last, while this "
                 "worker was away; nothing is left to do")))
-        else:
+        elif reason is not None:
             self._post(Event(Kind.CHIEF_LOST, reason))
+        else:
+            return None
         return False
 
 

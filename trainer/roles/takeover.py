@@ -253,7 +253,6 @@ def generation_copy_device(config, ps_down: int | None = None) -> str | None:
             and ps_down != mirrors.PS0_COPIES else None)
 
 
-
 def acting_chief(target: str, task, config) -> int | None:
     """The worker doing the chief's work if its beat goes on (two reads,
     timing.BEAT_SECS x 6 apart), else None (also if ps 0 is silent). Call
