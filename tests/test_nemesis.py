@@ -236,6 +236,15 @@ def test_the_checker_wants_a_returned_worker_averaging_again(tmp_path):
     outcome.steps_seen = steps_seen + [(t0 + 250, 200)]
     outcome.ended_at = t0 + 300
     assert checker.rejoined(outcome, record, 10.0) == []
+    # Back 2 s before the last step (seed 961), ps 0 exiting 22 s after
+    # the return (the chief's evaluation and export between): training
+    # did not outlast the bound, so nothing is judged.
+    outcome.history = history[:2] + [(t0 + 198, 198, "worker1", "end cut")]
+    outcome.steps_seen = steps_seen + [(t0 + 200, 200)]
+    outcome.ended_at = t0 + 220
+    assert checker.rejoined(outcome, record, 10.0) == []
+    outcome.steps_seen = steps_seen   # training until ps 0 exits: judged
+    assert len(checker.rejoined(outcome, record, 10.0)) == 1
 
 
 @pytest.mark.hosts

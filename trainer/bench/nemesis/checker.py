@@ -167,23 +167,25 @@ def statuses(codes: dict, faults: list, in_effect: dict,
 
 def rejoined(outcome, record: np.ndarray | None,
              timeout_secs: float) -> list:
-    """Each return of a worker that then stayed up until the bound: it is
-    in some step's average within timeout_secs + REJOIN_SLACK_SECS. A
-    return is the end of a stop, cut, slow or starve, or a restarted
-    process asking to be taken in (its import and graph take time that
-    is not the protocol's). The bound's clock stands still while a ps
-    fault is in effect, and from a hit on the chief until a chief is
-    ready again: then no worker can be taken in (seeds 507, 622). A
-    chief deposed meanwhile exits by design, and is not judged (926)."""
+    """Each return of a worker that stayed up, and training with it (its
+    last step, not ps 0's exit: 961), until the bound: it is in some
+    step's average within timeout_secs + REJOIN_SLACK_SECS. A return ends
+    a stop, cut, slow or starve, or is a restarted process asking in.
+    The bound's clock stands still while a ps fault is in effect, and
+    from a hit on the chief until a chief is ready again: then no worker
+    can be taken in (seeds 507, 622). One deposed as chief meanwhile
+    exits by design, and is not judged (926)."""
     if record is None:
         return []
     problems, bound = [], timeout_secs + REJOIN_SLACK_SECS
+    end = next((t for t, s in outcome.steps_seen if s >= len(record)),
+               outcome.ended_at)   # the last step, seen before ps 0 exits
     paused = _merged(_ps_faulted(outcome.history, _ready_times(outcome))
                      + _chief_out(outcome))
     for when, task, what in returns(outcome):
         k = int(task[len("worker"):])
-        deadline = _deadline(when, bound, paused, outcome.ended_at)
-        if deadline > outcome.ended_at or any(
+        deadline = _deadline(when, bound, paused, end)
+        if deadline > end or any(
                 t == task and when < at <= deadline and _is_hit(w)
                 for at, _, t, w in outcome.history) or any(
                 when < at <= deadline for log in outcome.folder.glob(
@@ -195,8 +197,6 @@ def rejoined(outcome, record: np.ndarray | None,
         # the step back: the record holds the steps trained after it.
         step_then = min([step_then] + [
             s for at, s in outcome.steps_seen if when < at <= deadline])
-        if step_then >= len(record):
-            continue  # back after the last step: nothing left to average
         if not record[step_then:step_due + 1, 1 + k].any():
             problems.append(f"{task} back at step {step_then} ({what}) "
                             f"averaged nothing by step {step_due}, "
