@@ -124,15 +124,15 @@ class Worker(WorkerRole):
 
     def _wait_for_chief(self) -> None:
         """The handshake (sync/coordination.py): ready, then settings."""
-        chief = self.task.cluster.describe("worker", 0)
+        first = self.task.cluster.describe("worker", 0)
         timeout = self.config.startup_timeout_secs
         poll_until(
             lambda: self.session.run(self.g.handles.ready), timeout,
-            lambda secs: f"waiting for the chief, {chief}, to initialize the"
-                         f" variables: {secs:.0f} s",
-            lambda: f"the chief, {chief}, did not initialize the variables "
-                    f"within {timeout:.0f} s (--startup_timeout_secs); start"
-                    " it or check --worker_hosts")
+            lambda secs: f"waiting for the chief to initialize the variables:"
+                         f" {secs:.0f} s",
+            lambda: f"no chief initialized the variables within {timeout:.0f}"
+                    f" s (--startup_timeout_secs); start {first} or check "
+                    "--worker_hosts")
         storage.warn_if_elsewhere(self.config.logdir, lambda: self.session.run(
             self.g.coord.read_storage_word))
         chiefs = self.session.run(self.g.handles.chief_fingerprint).decode()
