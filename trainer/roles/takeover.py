@@ -8,7 +8,7 @@ chief killed in a write never put back is restored (claim_wait). ps 1
 keeps a copy with --ps_mirrors: a ps 0 started again gives out none twice.
 
 Every write a chief makes on the ps tasks, and what refuses it to a
-deposed one (tests/test_guards.py checks the loop's on its graph):
+deposed one (tests/test_guards.py checks it on the graph, op by op):
 - the lock (`guarded`): a round's plan and each event's acts (sync/
   averaging.py), a step's update and advance (roles/step.py), the halt
   (sync/coordination.py); its loop ends once `current` is false;
