@@ -256,3 +256,29 @@ def test_the_judge_names_the_chief_the_record_names():
     assert j.chief == 0   # nothing read yet: worker 0 starts as the chief
     j.update([2, 3, 0], ROSTER, 0.0)
     assert j.chief == 3
+
+
+def test_a_chief_lost_in_its_start_is_claimed_not_a_failure():
+    """The watch calls a chief lost in its start after
+    --startup_timeout_secs of silence; the session it closes then fails
+    the worker's run long after its last step. That error's "no step for
+    --startup_timeout_secs" gives way to the posted CHIEF_LOST (a cold
+    reader's find); with nothing posted, it fails the run."""
+    import types
+    from trainer.common.config import TrainConfig
+    from trainer.roles import run, states
+    for posted, after in ((True, states.State.CLAIMING),
+                          (False, states.State.FAILED)):
+        machine = states.Machine("worker 1")
+        roles = run.Roles(TrainConfig(logdir="unused"), None, None, None,
+                          None, machine, None)
+        roles.role = types.SimpleNamespace(last_progress=0.0,
+                                           close_session=lambda: None)
+        machine.move(states.Event(Kind.CHOSEN, "", role=states.State.WORKER))
+        if posted:
+            assert machine.post(states.Event(Kind.CHIEF_LOST, "worker 0 left"))
+        event = roles._event_of(tf.errors.CancelledError(   # noqa: SLF001
+            None, None, "Session has been closed."))
+        assert event.kind == Kind.FAILURE and "no training step" in (
+            event.reason)
+        assert machine.move(machine.outcome(event)) == after

@@ -37,8 +37,7 @@ class Chief(WorkerRole):
     def run_connected(self) -> None:
         self._absorb_call = None   # made on the last connect's session
         ops = self.g.chief
-        logdir = pathlib.Path(self.config.logdir)
-        logdir.mkdir(parents=True, exist_ok=True)
+        logdir = pathlib.Path(self.config.logdir)   # made: prepare_logdir
         step = self._claim_and_start(logdir)
         writer = self._ready(step, logdir)
         self.graphs.prebuild(self.g)
@@ -148,7 +147,7 @@ class Chief(WorkerRole):
 
     def _step_runner(self, logdir: pathlib.Path):
         """(start, count) -> loop outputs; a halted loop saves and fails."""
-        loop = self.loop_callable()
+        loop, ops = self.loop_callable(), self.g.chief
 
         def run_steps(start: int, count: int) -> dict:
             if not self.halt_reason:
@@ -161,13 +160,12 @@ class Chief(WorkerRole):
             self._check_still_chief(start)
             if self.machine.pending():   # halted for it (PS_UP)
                 raise states.Interrupted(f"halted at step {start}")
-            members = int(self.session.run(self.g.chief.roster).sum())
+            members = int(self.session.run(ops.roster).sum())
             reason = self.halt_reason or (
                 f"{members} worker(s) left, fewer than --min_workers="
                 f"{self.config.min_workers}"
                 if members < self.config.min_workers else None)
             if reason and start >= 0:
-                ops = self.g.chief
                 try:
                     self._save(logdir, start)
                     self.session.run(ops.stop_op, {ops.stop_reason_in: reason})
@@ -228,6 +226,7 @@ class Chief(WorkerRole):
                                 " ps tasks; restoring the newest checkpoint")
             step = self._initialize_or_restore(logdir)
         self.taking_over = None
+        self._check_still_chief()   # again: a restore can take long
         self.session.run(self.g.coord.set_storage_word, {
             self.g.coord.storage_word_in: storage.mark(logdir)})
         self.session.run(ops.start_op)

@@ -103,9 +103,10 @@ class Roles:
             return Event(Kind.FAILURE, first_line, error=error)
         timeout = self.config.startup_timeout_secs
         if time.monotonic() - self.role.last_progress > timeout:
-            reason = (f"no training step succeeded for {timeout:.0f} s "
-                      f"(--startup_timeout_secs); last error: {first_line}")
-            return Event(Kind.FAILURE, reason, error=RunFailed(reason))
+            # No error held: a post meanwhile (its close made this) wins.
+            return Event(Kind.FAILURE, f"no training step succeeded for "
+                         f"{timeout:.0f} s (--startup_timeout_secs); last "
+                         f"error: {first_line}")
         return Event(Kind.PS_LOST, f"lost the ps tasks: {first_line}")
 
     def _reconnect(self, cause: Event) -> Event:

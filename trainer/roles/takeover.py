@@ -15,8 +15,8 @@ deposed one (tests/test_guards.py checks it on the graph, op by op):
 - the record (`if_current`, a read then the write: a claim in between
   lets one through): the beat session's, the membership watch's LOST,
   take of the roster changes and log (roles/graph.py);
-- `deposed_by` just before (Chief._check_still_chief): restore, storage
-  word, start, ready, stop; the end follows a loop run to the last step;
+- `deposed_by` just before (Chief._check_still_chief): init, restore,
+  refill, start (storage word, ready), stop; the end after a last step;
 - none, and harmless: its push (not of the current round), an event
   taken (put back if refused), a beat in a round planned before the
   claim or a claim's own, pull turns passed or RELEASEd (costing only
