@@ -120,3 +120,27 @@ def test_a_worker_warms_the_graph_without_a_silent_ps_while_the_chief_chooses(
     graph, warmed = graphs.switch(types.SimpleNamespace(ps_down=None), 1)
     assert (graph.ps_down, warmed.ps_down) == (1, 1)
     assert warmed_for == [1]
+
+
+def test_a_warm_blocked_by_a_lost_ps_gives_up_and_closes_its_session(
+        monkeypatch):
+    """A session.run that needs a ps gone waits for it for ever (nemesis
+    seed 981: a claim hung warming the chief's side). warm() waits at most
+    --startup_timeout_secs, then closes the session, which ends the run."""
+    import tensorflow as tf
+    closed = threading.Event()
+    monkeypatch.setattr(standby.sessions, "open_session", lambda *a, **k:
+                        types.SimpleNamespace(close=closed.set))
+
+    def blocking(session, fetches, feeds):
+        def loop(*args):
+            assert closed.wait(30), "never closed"
+            raise tf.errors.CancelledError(None, None, "Session closed.")
+        return loop
+    monkeypatch.setattr(standby, "make_callable", blocking)
+    graph = types.SimpleNamespace(graph=None, start_token=None,
+                                  num_steps=None, chief=None, loop_outputs={})
+    config = TrainConfig(logdir="unused", startup_timeout_secs=0.5)
+    server = types.SimpleNamespace(target="")
+    assert standby.warm(config, None, server, graph) is None
+    assert closed.is_set()

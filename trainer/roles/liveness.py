@@ -46,6 +46,7 @@ class Judge:
     _lost_at: float | None = None
     _why: str = ""                      # why it was called lost
     chief: int = 0                      # the chief's index, as last read
+    roster: object = None               # bool [N], as last read
 
     def forget(self) -> None:
         """ps 0 did not answer: silence is measured anew from the next read."""
@@ -58,7 +59,8 @@ class Judge:
         if read_secs > self.timeout / 2:
             # ps 0 held the reading up: the chief's beats could not land.
             self.forget()
-        chief = self.chief = int(record[INDEX])
+        chief, self.roster = int(record[INDEX]), roster
+        self.chief = chief
         seen = (int(record[GENERATION]), int(record[BEATS]))
         if step is not None:   # a step that moved: the chief has started
             if self._start[0] != seen[0]:

@@ -161,11 +161,14 @@ def warm(config, task, server, graph,
     feeds, none = [graph.start_token, graph.num_steps], ()
     if graph.chief:
         feeds, none = [*feeds, graph.chief.generation], (-1,)
-    try:
+    def place() -> tuple:
         loop = make_callable(session, graph.loop_outputs, feeds)
         loop(np.zeros(4, np.int64), 0, *none)   # step 0's token
-        absorb = _prepare_start(session, graph) if graph.chief else None
-    except tf.errors.OpError as e:
+        return loop, _prepare_start(session, graph) if graph.chief else None
+    try:   # bounded: a ps lost meanwhile blocks it until the close below
+        loop, absorb = ThreadCall(place, "warm").result(
+            config.startup_timeout_secs)
+    except (tf.errors.OpError, TimeoutError) as e:
         logging.info("a loop was not placed beforehand: %s", error_summary(e))
         sessions.close_within(session)
         return None
