@@ -2,6 +2,7 @@
 (ps.py), the chief (chief.py) or another worker (worker.py), to the end."""
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -224,18 +225,17 @@ class SpareChief:
         test = data_lib.load(self._data_dir, config.download,
                              data_lib.source_list(config.data_url),
                              need_train=False)
-        mnist = data_lib.Mnist(worker.mnist.train_images,
-                               worker.mnist.train_labels, test.test_images,
-                               test.test_labels)
-        # On the ps tasks our session uses (one done without would block a
-        # warm: nemesis seed 981); warmed once joined, and only ahead: at a
-        # claim the chief's connect places its session as soon.
+        mnist = dataclasses.replace(worker.mnist, test_images=test.test_images,
+                                    test_labels=test.test_labels)
+        # For our session's ps tasks; warmed only ahead (a claim's connect
+        # places as soon), within --worker_timeout_secs (seeds 981, 990).
         down = worker.session_and_graph()[1].ps_down
         graph = worker_graph.build_worker(
             config, self._task, len(mnist.train_labels),
             len(mnist.test_labels), worker.train_steps, True, down)
         warmed = (standby.warm(config, self._task, worker.server, graph,
-                               without_ps.ps_tasks(self._task, down))
+                               without_ps.ps_tasks(self._task, down),
+                               config.worker_timeout_secs)
                   if joined and ahead else None)
         return mnist, graph, warmed
 

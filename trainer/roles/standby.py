@@ -150,11 +150,11 @@ class Warmed:
     absorb: Callable | None = None   # a chief's absorb(generation), chief.py
 
 
-def warm(config, task, server, graph,
-         ps_tasks: list[int] | None = None) -> Warmed | None:
+def warm(config, task, server, graph, ps_tasks: list[int] | None = None,
+         within: float | None = None) -> Warmed | None:
     """A session using `ps_tasks` (None: every one) on a worker's graph, its
-    loop placed by a 0-step run (it only reads), a chief's start prepared;
-    None if that failed (a ps lost meanwhile): the connect does it."""
+    loop placed by a 0-step run (it only reads), a chief's start prepared.
+    None if that failed or outlasted `within` s (a ps lost): connect then."""
     session = sessions.open_session(server.target, graph.graph, config, task,
                                     ps_tasks)
     # A chief's loop fed no chief's generation (-1) writes nothing.
@@ -167,7 +167,7 @@ def warm(config, task, server, graph,
         return loop, _prepare_start(session, graph) if graph.chief else None
     try:   # bounded: a ps lost meanwhile blocks it until the close below
         loop, absorb = ThreadCall(place, "warm").result(
-            config.startup_timeout_secs)
+            within or config.startup_timeout_secs)
     except (tf.errors.OpError, TimeoutError) as e:
         logging.info("a loop was not placed beforehand: %s", error_summary(e))
         sessions.close_within(session)
