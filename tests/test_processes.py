@@ -209,3 +209,35 @@ def test_a_worker_whose_host_is_away_is_started_again_without_a_restart():
     assert restart.away == {2} and started == [("worker", 2)] * 3
     assert restart(_FailedTask("worker2"), []) is True   # left behind
     assert restart.away == set() and len(started) == 3
+
+
+def test_a_second_signal_does_not_cut_the_cleanup_short(tmp_path):
+    """The nemesis left its simulated hosts behind when SIGTERM came twice
+    (to `timeout` and to the command it forwards it to): the second one
+    interrupted the cleanup that the first one started."""
+    done = tmp_path / "cleaned"
+    code = (
+        "import time, pathlib\n"
+        "from trainer.common import processes\n"
+        "processes.interrupt_on_signals()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('cleaning', flush=True)\n"
+        "    time.sleep(1.5)\n"
+        f"    pathlib.Path({str(done)!r}).write_text('yes')\n")
+    child = subprocess.Popen([sys.executable, "-c", code],
+                             stdout=subprocess.PIPE, text=True,
+                             env=processes.child_env())
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline().strip() == "cleaning"
+        child.send_signal(signal.SIGTERM)
+        child.send_signal(signal.SIGINT)
+        assert child.wait(timeout=20) == 0
+    finally:
+        child.kill()
+        child.wait()
+    assert done.read_text() == "yes"

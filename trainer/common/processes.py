@@ -166,13 +166,17 @@ class Child:
 
 
 def interrupt_on_signals() -> None:
-    """Ctrl-C and SIGTERM raise KeyboardInterrupt in the main thread, so a
-    command stops what it started on the way out, however it was started:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt in the main thread, once,
+    so a command stops what it started on the way out, however started:
     one started from a script's background job (`cmd &`) inherits SIGINT
     as ignored, and SIGTERM would otherwise end it without cleaning up."""
 
     def interrupt(signum, frame):
         del signum, frame
+        # Once: a second signal (Ctrl-C twice; SIGTERM to both `timeout`
+        # and the command it forwards it to) would cut the cleanup short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
